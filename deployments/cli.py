@@ -1,0 +1,113 @@
+"""`eagleserve`: generate offline, serve over HTTP, train drafters, benchmark."""
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from pydantic import ValidationError
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="model name, HF directory or .gguf file")
+    p.add_argument("--drafter", default="default", help="'default', 'none' or an EAGLE-3 drafter directory")
+    p.add_argument("--num-draft-tokens", "-k", type=int, default=3, help="draft tokens per step (K)")
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (runs on Ray when > 1)")
+    p.add_argument("--no-overlap", action="store_true", help="process each step's results before the next")
+
+
+def _engine_config(args):
+    from speculative.config import EngineConfig
+    return EngineConfig(model=args.model, drafter=args.drafter, num_draft_tokens=args.num_draft_tokens,
+                        max_batch_size=args.max_batch_size, max_model_len=args.max_model_len,
+                        device=args.device, dtype=args.dtype, tp=args.tp, overlap=not args.no_overlap)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"error: {path}:{n}: not valid JSON ({e.msg})")
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise SystemExit(f"error: {path}:{n}: each row needs a string field 'prompt'")
+        rows.append(row)
+    return rows
+
+
+def cmd_generate(args) -> None:
+    from speculative.config import SamplingParams
+    from speculative.engine import encode_prompt
+    from speculative.scheduler import RequestError
+    if not args.input.is_file():
+        raise SystemExit(f"error: input file {args.input} does not exist")
+    rows = _read_jsonl(args.input)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    engine = open_engine(_engine_config(args))
+    try:
+        prompts = [encode_prompt(engine.tokenizer, row["prompt"], args.raw) for row in rows]
+        try:
+            requests = engine.generate(prompts, params)
+        except RequestError as e:
+            raise SystemExit(f"error: {e}")
+    finally:
+        close = getattr(engine, "shutdown", None)
+        if close:
+            close()
+    with open(args.output, "w") as f:
+        for i, (row, r) in enumerate(zip(rows, requests)):
+            f.write(json.dumps({"id": row.get("id", i), "text": engine.tokenizer.decode(r.output_ids, skip_special_tokens=True),
+                                "token_ids": r.output_ids, "num_tokens": len(r.output_ids),
+                                "acceptance_length": round(r.acceptance_length, 4),
+                                "finish_reason": r.finish_reason}) + "\n")
+    mean = sum(r.acceptance_length for r in requests) / max(len(requests), 1)
+    print(f"wrote {len(requests)} rows to {args.output} (mean acceptance length {mean:.2f})", file=sys.stderr)
+
+
+def open_engine(cfg):
+    """The single-process engine for TP=1, the Ray coordinator path otherwise."""
+    if cfg.tp == 1:
+        from speculative.engine import LLMEngine
+        return LLMEngine(cfg)
+    from speculative.coordinator import RayEngine
+    return RayEngine(cfg)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="eagleserve", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate for every row of a JSONL file")
+    gen.add_argument("input", type=Path, help='JSONL rows {"id", "prompt"}')
+    gen.add_argument("-o", "--output", type=Path, required=True)
+    _engine_args(gen)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.set_defaults(func=cmd_generate)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        args.func(args)
+    except ValidationError as e:
+        raise SystemExit(f"error: invalid setting: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}")
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""User-facing configuration (pydantic, extra fields forbidden). Never mutated at runtime."""
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(0.0, ge=0.0, le=2.0)  # 0 means greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)                      # 0 or -1: off
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    max_tokens: int = Field(256, ge=1)
+    stop: list[str] = Field(default_factory=list, max_length=4)
+    ignore_eos: bool = False
+
+    @model_validator(mode="after")
+    def _check_stop(self):
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        return self
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = "smollm2-135m"
+    drafter: str = "default"                          # "default", "none" or a directory
+    num_draft_tokens: int = Field(3, ge=1, le=16)     # K; ignored when drafter is "none"
+    max_batch_size: int = Field(8, ge=1, le=1024)
+    max_model_len: int = Field(2048, ge=16)           # prompt + output tokens per request
+    max_num_batched_tokens: int = Field(4096, ge=16)  # prefill tokens per step
+    memory_budget_gb: float | None = Field(None, gt=0)  # caps max_batch_size by KV cache size
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    tp: int = Field(1, ge=1)
+    overlap: bool = True
+    cuda_graphs: bool = True
+    seed: int = 0                                     # seeds requests that bring none
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("max_num_batched_tokens must be at least max_model_len")
+        return self
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafter != "none"
+
+    @property
+    def k(self) -> int:
+        return self.num_draft_tokens if self.speculative else 0

@@ -1,0 +1,250 @@
+"""The EAGLE-3 drafter: one Llama-style layer over [token embedding ; hidden], and its checkpoint
+format (the one the EAGLE authors publish and vLLM, SGLang and TensorRT-LLM load).
+
+Checkpoint tensors: midlayer.{self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, input_layernorm,
+hidden_norm, post_attention_layernorm}.weight, fc.weight, norm.weight, lm_head.weight, d2t, t2d and
+optionally embed_tokens.weight (shared with the target when absent). Target id = draft id + d2t[id].
+"""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from workers.attention import CachedAttention, ForwardBatch
+from workers.layers import ParallelLMHead, ReplicatedLinear, RMSNorm, Rotary, VocabParallelEmbedding
+from workers.llama import MLP
+from workers.loader import iter_safetensors
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: tuple[int, ...] | None  # None: the target's default (2, L/2, L-3)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "DrafterConfig":
+        if cfg.get("num_hidden_layers", 1) != 1:
+            raise ValueError("EAGLE-3 drafters have num_hidden_layers 1, "
+                             f"this config has {cfg['num_hidden_layers']}")
+        heads = cfg["num_attention_heads"]
+        aux = cfg.get("eagle_aux_hidden_state_layer_ids") or \
+            (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        return cls(
+            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=cfg.get("rope_theta", 10000.0),
+            vocab_size=cfg["vocab_size"], draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
+            target_hidden_size=cfg.get("target_hidden_size") or cfg["hidden_size"],
+            aux_layer_ids=tuple(aux) if aux else None)
+
+    def to_hf(self) -> dict:
+        cfg = {
+            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size, "hidden_act": "silu", "tie_word_embeddings": False,
+        }
+        if self.aux_layer_ids is not None:
+            cfg["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layer_ids)
+        return cfg
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, rotary: Rotary, group=None):
+        super().__init__()
+        H = cfg.hidden_size
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.self_attn = CachedAttention(2 * H, H, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                         cfg.head_dim, rotary, group)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = MLP(H, cfg.intermediate_size, group)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        h = hidden + self.self_attn(x, batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig, num_aux: int = 3, group=None, max_positions: int = 4096,
+                 embed_tokens: VocabParallelEmbedding | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.rotary = Rotary(cfg.head_dim, max_positions, cfg.rope_theta)
+        self.has_own_embeddings = embed_tokens is None
+        self.embed_tokens = embed_tokens or VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group)
+        self.fc = ReplicatedLinear(num_aux * cfg.target_hidden_size, cfg.hidden_size)
+        self.midlayer = Eagle3Layer(cfg, self.rotary, group)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ParallelLMHead(cfg.draft_vocab_size, cfg.hidden_size, group)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+
+    def forward(self, ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
+                from_features: bool) -> torch.Tensor:
+        """ids [B, T]; hidden [B, T, 3H_target] target features (first draft forward, `fc` applied
+        here) or [B, T, H] the drafter's own previous output. Returns the pre-norm output [B, T, H]."""
+        if from_features:
+            hidden = self.fc(hidden)
+        return self.midlayer(self.embed_tokens(ids), hidden, batch)
+
+    def propose(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Pre-norm output [..., H] -> greedy draft token in the target vocabulary [...]."""
+        draft_ids = self.lm_head(self.norm(hidden)).argmax(-1)
+        return draft_ids + self.d2t[draft_ids]
+
+
+# ---- checkpoint format ----
+
+def _standard_name(name: str) -> str:
+    """Accept both the EAGLE authors' names and the `model.`-prefixed variant some tools write."""
+    name = name.removeprefix("model.")
+    return "midlayer." + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
+
+
+def load_drafter(path: Path, group=None, target_embeddings: VocabParallelEmbedding | None = None,
+                 max_positions: int = 4096) -> Eagle3Drafter:
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"drafter directory {path} has no config.json")
+    cfg = DrafterConfig.from_hf(json.loads((path / "config.json").read_text()))
+    tensors = {_standard_name(n): t for n, t in iter_safetensors(path)}
+    num_aux = tensors["fc.weight"].shape[1] // cfg.target_hidden_size if "fc.weight" in tensors else 3
+    own = "embed_tokens.weight" in tensors
+    if not own and target_embeddings is None:
+        raise ValueError(f"drafter {path} has no embed_tokens.weight and no target embeddings were given")
+    drafter = Eagle3Drafter(cfg, num_aux, group, max_positions, None if own else target_embeddings)
+    fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    modules = dict(drafter.named_modules())
+    expected = {n for n, m in modules.items() if hasattr(m, "load_full")} | {"d2t", "t2d"}
+    if not own:
+        expected.discard("embed_tokens")
+    for name, tensor in tensors.items():
+        if name in ("d2t", "t2d"):
+            getattr(drafter, name).copy_(tensor)
+            expected.discard(name)
+            continue
+        module_path, param = name.rsplit(".", 1)
+        parent, _, leaf = module_path.rpartition(".")
+        index = 0
+        if leaf in fused:
+            leaf, index = fused[leaf]
+            module_path = f"{parent}.{leaf}"
+        if module_path not in modules or not hasattr(modules[module_path], "load_full"):
+            raise KeyError(f"unexpected tensor {name!r} in drafter {path}")
+        modules[module_path].load_full(tensor, index, param)
+        expected.discard(module_path)
+    if expected:
+        raise KeyError(f"drafter {path} lacks {sorted(expected)}")
+    return drafter
+
+
+def drafter_state_dict(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
+    """Standard-format tensors of an unsharded (TP=1) drafter."""
+    heads, kv = drafter.cfg.num_attention_heads, drafter.cfg.num_key_value_heads
+    D = drafter.cfg.head_dim
+    layer = drafter.midlayer
+    q, k, v = layer.self_attn.qkv_proj.weight.split([heads * D, kv * D, kv * D])
+    gate, up = layer.mlp.gate_up_proj.weight.chunk(2)
+    state = {
+        "midlayer.self_attn.q_proj.weight": q, "midlayer.self_attn.k_proj.weight": k,
+        "midlayer.self_attn.v_proj.weight": v, "midlayer.self_attn.o_proj.weight": layer.self_attn.o_proj.weight,
+        "midlayer.mlp.gate_proj.weight": gate, "midlayer.mlp.up_proj.weight": up,
+        "midlayer.mlp.down_proj.weight": layer.mlp.down_proj.weight,
+        "midlayer.input_layernorm.weight": layer.input_layernorm.weight,
+        "midlayer.hidden_norm.weight": layer.hidden_norm.weight,
+        "midlayer.post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
+        "fc.weight": drafter.fc.weight, "norm.weight": drafter.norm.weight,
+        "lm_head.weight": drafter.lm_head.weight, "d2t": drafter.d2t, "t2d": drafter.t2d,
+    }
+    if drafter.has_own_embeddings:
+        state["embed_tokens.weight"] = drafter.embed_tokens.weight
+    return {n: t.detach().contiguous().cpu() for n, t in state.items()}
+
+
+def save_drafter(path: Path, cfg: DrafterConfig, state: dict[str, torch.Tensor],
+                 dtype: torch.dtype | None = None) -> None:
+    """Write config.json + model.safetensors in the standard EAGLE-3 layout."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if dtype is not None:
+        state = {n: t.to(dtype) if t.is_floating_point() else t for n, t in state.items()}
+    save_file({n: t.contiguous() for n, t in state.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
+
+
+def random_drafter_state(cfg: DrafterConfig, num_aux: int = 3, seed: int = 0,
+                         with_embeddings: bool = False) -> dict[str, torch.Tensor]:
+    """Random weights in the standard layout, an identity d2t (draft vocab = first ids)."""
+    g = torch.Generator().manual_seed(seed)
+    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.02
+
+    state = {
+        "midlayer.self_attn.q_proj.weight": w(heads * D, 2 * H), "midlayer.self_attn.k_proj.weight": w(kv * D, 2 * H),
+        "midlayer.self_attn.v_proj.weight": w(kv * D, 2 * H), "midlayer.self_attn.o_proj.weight": w(H, heads * D),
+        "midlayer.mlp.gate_proj.weight": w(I, H), "midlayer.mlp.up_proj.weight": w(I, H),
+        "midlayer.mlp.down_proj.weight": w(H, I),
+        "midlayer.input_layernorm.weight": torch.ones(H), "midlayer.hidden_norm.weight": torch.ones(H),
+        "midlayer.post_attention_layernorm.weight": torch.ones(H),
+        "fc.weight": w(H, num_aux * cfg.target_hidden_size), "norm.weight": torch.ones(H),
+        "lm_head.weight": w(cfg.draft_vocab_size, H),
+        "d2t": torch.zeros(cfg.draft_vocab_size, dtype=torch.long),
+        "t2d": torch.arange(cfg.vocab_size) < cfg.draft_vocab_size,
+    }
+    if with_embeddings:
+        state["embed_tokens.weight"] = w(cfg.vocab_size, H)
+    return state
+
+
+def drafter_config_for(target_cfg, draft_vocab_size: int | None = None,
+                       aux_layer_ids: tuple[int, ...] | None = None) -> DrafterConfig:
+    """A drafter config shaped like one layer of the target (what EAGLE-3 trains by default)."""
+    return DrafterConfig(
+        hidden_size=target_cfg.hidden_size, intermediate_size=target_cfg.intermediate_size,
+        num_attention_heads=target_cfg.num_attention_heads, num_key_value_heads=target_cfg.num_key_value_heads,
+        head_dim=target_cfg.head_dim, rms_norm_eps=target_cfg.rms_norm_eps, rope_theta=target_cfg.rope_theta,
+        vocab_size=target_cfg.vocab_size, draft_vocab_size=draft_vocab_size or target_cfg.vocab_size,
+        target_hidden_size=target_cfg.hidden_size, aux_layer_ids=aux_layer_ids)
+
+
+DEFAULT_DRAFTERS = {"smollm2-135m": Path(__file__).parent / "drafters" / "smollm2-135m"}
+
+
+def resolve_drafter(name: str, model: str, target_cfg) -> Path:
+    """"default" -> the project's trained drafter for this model, else a random-weight drafter
+    (acceptance near zero, output still exact); anything else is a drafter directory."""
+    if name != "default":
+        path = Path(name)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"drafter {name!r}: not 'default', 'none' or a directory with config.json")
+        return path
+    trained = DEFAULT_DRAFTERS.get(model)
+    if trained is not None and (trained / "config.json").is_file():
+        return trained
+    from workers.loader import cache_root
+    path = cache_root() / f"random-drafter-{Path(model).name}"
+    if not (path / "config.json").is_file():
+        cfg = drafter_config_for(target_cfg)
+        save_drafter(path, cfg, random_drafter_state(cfg))
+    return path

@@ -1,0 +1,72 @@
+"""The decode loop in one process: scheduler + an executor (a local ModelRunner, or the Ray
+workers behind the same `execute(plan) -> handle` interface), keeping one step in flight."""
+import itertools
+import logging
+from collections import deque
+
+from speculative.config import EngineConfig, SamplingParams
+from speculative.scheduler import Request, RequestOutput, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+def encode_prompt(tokenizer, prompt: str | list[dict], raw: bool = False) -> list[int]:
+    """Text (or chat messages) -> token ids; the chat template is applied unless `raw`."""
+    if raw:
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def eos_ids(tokenizer, model_config: dict) -> set[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    eos = model_config.get("eos_token_id")
+    ids |= set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+    return ids
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig, executor=None):
+        from workers.loader import load_config, load_tokenizer, resolve_model
+        self.cfg = cfg
+        model_dir = resolve_model(cfg.model)
+        self.tokenizer = load_tokenizer(model_dir)
+        if executor is None:
+            from workers.model_runner import ModelRunner
+            executor = ModelRunner(cfg)
+        self.executor = executor
+        self.scheduler = Scheduler(executor.num_slots, executor.max_model_len, cfg.max_num_batched_tokens,
+                                   cfg.k, eos_ids(self.tokenizer, load_config(model_dir)), self.tokenizer, cfg.seed)
+        self.in_flight = deque()  # (plan, handle), oldest first
+        self.request_ids = itertools.count()
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+        return self.scheduler.add(request_id or f"req-{next(self.request_ids)}", prompt_ids, params)
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or bool(self.in_flight)
+
+    def step(self) -> list[RequestOutput]:
+        """Launch the next step, then process the oldest step's results: with overlap, only once
+        another step is in flight behind it, so the host work runs while the device computes."""
+        plan = self.scheduler.plan()
+        if plan is not None:
+            self.in_flight.append((plan, self.executor.execute(plan)))
+        depth = 1 if self.cfg.overlap else 0
+        if len(self.in_flight) > depth or (plan is None and self.in_flight):
+            done_plan, handle = self.in_flight.popleft()
+            return self.scheduler.process(done_plan, handle.result())
+        return []
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Request]:
+        """Run prompts (token ids) to completion; returns the finished requests in input order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        requests = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        while self.has_work:
+            self.step()
+        return requests

