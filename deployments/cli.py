@@ -2,6 +2,7 @@
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -46,39 +47,52 @@ def cmd_generate(args) -> None:
     from speculative.config import SamplingParams
     from speculative.engine import encode_prompt
     from speculative.scheduler import RequestError
+    from workers.loader import load_tokenizer, resolve_model
     if not args.input.is_file():
         raise SystemExit(f"error: input file {args.input} does not exist")
     rows = _read_jsonl(args.input)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    engine = open_engine(_engine_config(args))
+    cfg = _engine_config(args)
+    tokenizer = load_tokenizer(resolve_model(cfg.model))
+    prompts = [encode_prompt(tokenizer, row["prompt"], args.raw) for row in rows]
     try:
-        prompts = [encode_prompt(engine.tokenizer, row["prompt"], args.raw) for row in rows]
-        try:
-            requests = engine.generate(prompts, params)
-        except RequestError as e:
-            raise SystemExit(f"error: {e}")
-    finally:
-        close = getattr(engine, "shutdown", None)
-        if close:
-            close()
+        results = run_to_completion(cfg, prompts, params)
+    except RequestError as e:
+        raise SystemExit(f"error: {e}")
     with open(args.output, "w") as f:
-        for i, (row, r) in enumerate(zip(rows, requests)):
-            f.write(json.dumps({"id": row.get("id", i), "text": engine.tokenizer.decode(r.output_ids, skip_special_tokens=True),
-                                "token_ids": r.output_ids, "num_tokens": len(r.output_ids),
-                                "acceptance_length": round(r.acceptance_length, 4),
-                                "finish_reason": r.finish_reason}) + "\n")
-    mean = sum(r.acceptance_length for r in requests) / max(len(requests), 1)
-    print(f"wrote {len(requests)} rows to {args.output} (mean acceptance length {mean:.2f})", file=sys.stderr)
+        for i, (row, r) in enumerate(zip(rows, results)):
+            f.write(json.dumps({"id": row.get("id", i), "text": tokenizer.decode(r["token_ids"], skip_special_tokens=True),
+                                "token_ids": r["token_ids"], "num_tokens": len(r["token_ids"]),
+                                "acceptance_length": round(r["acceptance_length"], 4),
+                                "finish_reason": r["finish_reason"]}) + "\n")
+    mean = sum(r["acceptance_length"] for r in results) / max(len(results), 1)
+    print(f"wrote {len(results)} rows to {args.output} (mean acceptance length {mean:.2f})", file=sys.stderr)
 
 
-def open_engine(cfg):
-    """The single-process engine for TP=1, the Ray coordinator path otherwise."""
+def run_to_completion(cfg, prompts: list[list[int]], params) -> list[dict]:
+    """TP=1: the single-process engine. TP>1: worker actors on a local Ray (or RAY_ADDRESS) driven
+    by the coordinator actor."""
     if cfg.tp == 1:
         from speculative.engine import LLMEngine
-        return LLMEngine(cfg)
-    from speculative.coordinator import RayEngine
-    return RayEngine(cfg)
+        requests = LLMEngine(cfg).generate(prompts, params)
+        return [{"token_ids": r.output_ids, "finish_reason": r.finish_reason,
+                 "acceptance_length": r.acceptance_length} for r in requests]
+    import ray
+    from speculative.coordinator import CoordinatorActor, check_tp_size
+    check_tp_size(cfg)
+    address = os.environ.get("RAY_ADDRESS")
+    # a local CPU run may place more ranks than cores: ranks take one logical CPU each
+    num_cpus = None if address or cfg.device == "cuda" else max(os.cpu_count() or 1, cfg.tp)
+    ray.init(address=address, num_cpus=num_cpus, logging_level="WARNING", log_to_driver=False)
+    try:
+        coordinator = CoordinatorActor.remote(cfg)
+        try:
+            return ray.get(coordinator.generate.remote(prompts, params))
+        finally:
+            ray.get(coordinator.shutdown.remote())
+    finally:
+        ray.shutdown()
 
 
 def main(argv=None) -> None:

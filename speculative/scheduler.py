@@ -47,6 +47,7 @@ class RequestOutput:
     new_token_ids: list[int]
     text_delta: str
     finish_reason: str | None
+    acceptance_length: float = 1.0   # the request's mean so far
 
 
 @dataclass
@@ -77,12 +78,19 @@ class Scheduler:
 
     # ---- admission ----
 
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
+    def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError if the request cannot be served; changes nothing."""
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                f"the maximum sequence length of {self.max_model_len} tokens")
+        if len(prompt_ids) > self.max_num_batched_tokens:
+            raise RequestError(f"prompt ({len(prompt_ids)} tokens) exceeds max_num_batched_tokens "
+                               f"({self.max_num_batched_tokens})")
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
+        self.validate(request_id, prompt_ids, params)
         if request_id in self.running or any(r.request_id == request_id for r in self.waiting):
             raise RequestError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else next(self.seeds)
@@ -169,7 +177,7 @@ class Scheduler:
                 if row >= num_prefills:
                     self._count_acceptance(r, emitted)
                 outputs.append(self._append(r, result.tokens[row, :emitted].tolist()))
-            if r.is_finished and r.in_flight == 0:
+            if r.is_finished and r.in_flight == 0 and r.slot is not None:  # _finish may have released it
                 self._release(r)
         return outputs
 
@@ -197,7 +205,7 @@ class Scheduler:
             delta = self._detokenize(r)
         if not r.is_finished and len(r.output_ids) >= r.params.max_tokens:
             self._finish(r, "length")
-        return RequestOutput(r.request_id, new, delta, r.finish_reason)
+        return RequestOutput(r.request_id, new, delta, r.finish_reason, r.acceptance_length)
 
     def _detokenize(self, r: Request) -> str:
         text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
