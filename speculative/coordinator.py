@@ -238,6 +238,10 @@ class Coordinator:
                 "draft_proposed": s.num_draft_proposed, "draft_accepted": s.num_draft_accepted,
                 "accepted_at": list(s.accepted_at), "healthy": self.error is None}
 
+    def worker_handles(self) -> list:
+        """The TP worker actors (for health checks and fault tests)."""
+        return self.executor.workers
+
     def shutdown(self) -> None:
         self.stopped.set()
         self.commands.put(("wake",))

@@ -1,0 +1,167 @@
+"""The Ray execution path: TP worker actors + coordinator, on a local Ray cluster with CPU (gloo)."""
+import json
+import shutil
+import time
+
+import pytest
+import ray
+import torch
+from safetensors.torch import save_file
+
+from speculative.config import EngineConfig, SamplingParams
+from speculative.coordinator import CoordinatorActor, EngineDeadError
+from speculative.engine import LLMEngine, encode_prompt
+from workers.loader import load_tokenizer, resolve_model
+
+QUESTIONS = ["What is 2+2?", "Write a haiku about the sea.", "Name three colors of the rainbow.",
+             "Explain what a prime number is."]
+GREEDY = SamplingParams(max_tokens=24)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    tokenizer = load_tokenizer(resolve_model("smollm2-135m"))
+    return [encode_prompt(tokenizer, q) for q in QUESTIONS]
+
+
+def run_coordinator(cfg: EngineConfig, prompts, params=GREEDY):
+    coordinator = CoordinatorActor.remote(cfg)
+    try:
+        return [r["token_ids"] for r in ray.get(coordinator.generate.remote(prompts, params))], \
+            ray.get(coordinator.stats.remote())
+    finally:
+        ray.get(coordinator.shutdown.remote())
+        ray.kill(coordinator)
+
+
+@pytest.fixture(scope="module")
+def local_outputs(prompts):
+    cfg = EngineConfig(drafter="none", max_batch_size=4, max_model_len=512)
+    return [r.output_ids for r in LLMEngine(cfg).generate(prompts, GREEDY)]
+
+
+@pytest.mark.parametrize("drafter", ["none", "default"])
+def test_tp3_matches_single_process(prompts, local_outputs, drafter):
+    cfg = EngineConfig(drafter=drafter, max_batch_size=4, max_model_len=512, tp=3)
+    outputs, stats = run_coordinator(cfg, prompts)
+    assert outputs == local_outputs
+    assert stats["num_steps"] > 0 and stats["healthy"]
+
+
+def test_tp1_overlap_equals_no_overlap(prompts, local_outputs):
+    results = {}
+    for overlap in (True, False):
+        cfg = EngineConfig(drafter="default", max_batch_size=4, max_model_len=512, overlap=overlap)
+        results[overlap], _ = run_coordinator(cfg, prompts)
+    assert results[True] == results[False] == local_outputs
+
+
+def test_tp_size_not_dividing_heads_fails_at_start():
+    with pytest.raises(Exception, match=r"tensor-parallel size 2 does not divide .* 9 query and 3 key/value heads"):
+        ray.get(CoordinatorActor.remote(EngineConfig(tp=2, drafter="none")).stats.remote())
+
+
+def test_missing_resources_fail_fast():
+    start = time.perf_counter()
+    with pytest.raises(Exception, match=r"needs 6 CPUs on one node; the largest node of this Ray cluster has 4"):
+        ray.get(CoordinatorActor.remote(EngineConfig(tp=6, drafter="none", model=str(_tiny6_dir()))).stats.remote())
+    assert time.perf_counter() - start < 30
+
+
+def _tiny_llama(path, heads=4, kv_heads=2, layers=6, hidden=64, seed=0):
+    """A random Llama in HF layout, with SmolLM2's tokenizer (so the vocabulary matches)."""
+    path.mkdir(parents=True, exist_ok=True)
+    smol = resolve_model("smollm2-135m")
+    for f in smol.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, path / f.name)
+    vocab, inter, D = 49152, 128, hidden // heads
+    g = torch.Generator().manual_seed(seed)
+    w = lambda *s: torch.randn(*s, generator=g) * 0.2  # noqa: E731
+    t = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": torch.ones(hidden),
+         "lm_head.weight": w(vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        t |= {p + "self_attn.q_proj.weight": w(heads * D, hidden), p + "self_attn.k_proj.weight": w(kv_heads * D, hidden),
+              p + "self_attn.v_proj.weight": w(kv_heads * D, hidden), p + "self_attn.o_proj.weight": w(hidden, heads * D),
+              p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
+              p + "mlp.down_proj.weight": w(hidden, inter), p + "input_layernorm.weight": torch.ones(hidden),
+              p + "post_attention_layernorm.weight": torch.ones(hidden)}
+    save_file(t, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({
+        "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "max_position_embeddings": 1024, "tie_word_embeddings": False, "eos_token_id": 2}))
+    return path
+
+
+def _tiny6_dir():
+    import tempfile
+    from pathlib import Path
+    return _tiny_llama(Path(tempfile.mkdtemp()) / "tiny-h6", heads=6, kv_heads=6, hidden=96)
+
+
+def test_tp2_matches_tp1_on_small_model(tmp_path, prompts):
+    model = str(_tiny_llama(tmp_path / "tiny"))
+    outputs = {}
+    for tp in (1, 2):
+        cfg = EngineConfig(model=model, drafter="default", max_batch_size=4, max_model_len=256, tp=tp)
+        outputs[tp], _ = run_coordinator(cfg, prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert outputs[1] == outputs[2]
+    assert all(len(o) == 16 for o in outputs[1])
+
+
+def test_killed_worker_fails_requests_then_engine_restarts(prompts, local_outputs):
+    cfg = EngineConfig(drafter="none", max_batch_size=4, max_model_len=512, tp=3)
+    coordinator = CoordinatorActor.remote(cfg)
+    workers = ray.get(coordinator.worker_handles.remote())
+    pending = coordinator.generate.remote(prompts, SamplingParams(max_tokens=400, ignore_eos=True))
+    time.sleep(3)
+    ray.kill(workers[1])
+    start = time.perf_counter()
+    with pytest.raises(EngineDeadError, match="tensor-parallel group failed"):
+        ray.get(pending, timeout=60)
+    assert time.perf_counter() - start < 20
+    assert ray.get(coordinator.stats.remote())["healthy"] is False
+    with pytest.raises(EngineDeadError):  # new requests fail clearly instead of hanging
+        ray.get(coordinator.generate.remote(prompts[:1], GREEDY), timeout=30)
+    ray.get(coordinator.shutdown.remote())
+    ray.kill(coordinator)
+    outputs, _ = run_coordinator(cfg, prompts)
+    assert outputs == local_outputs
+
+
+@ray.remote(num_cpus=1)
+class _GroupMember:
+    def join(self, rank, port):
+        from workers.distributed import init_tp_group
+        init_tp_group(rank, 2, "127.0.0.1", port, torch.device("cpu"), timeout_s=3)
+        return True
+
+    def lonely_all_reduce(self):
+        import torch.distributed as dist
+        start = time.perf_counter()
+        try:
+            dist.all_reduce(torch.ones(1))
+        except Exception as e:
+            return f"{type(e).__name__}", time.perf_counter() - start
+        return "completed", time.perf_counter() - start
+
+
+def test_collective_that_never_completes_times_out():
+    from workers.distributed import free_port
+    port = free_port()
+    members = [_GroupMember.remote() for _ in range(2)]
+    assert ray.get([m.join.remote(r, port) for r, m in enumerate(members)], timeout=60) == [True, True]
+    outcome, seconds = ray.get(members[0].lonely_all_reduce.remote(), timeout=60)
+    assert outcome != "completed"
+    assert seconds < 30
+    for m in members:
+        ray.kill(m)
