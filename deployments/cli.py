@@ -9,15 +9,20 @@ from pathlib import Path
 from pydantic import ValidationError
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="model name, HF directory or .gguf file")
-    p.add_argument("--drafter", default="default", help="'default', 'none' or an EAGLE-3 drafter directory")
-    p.add_argument("--num-draft-tokens", "-k", type=int, default=3, help="draft tokens per step (K)")
-    p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (runs on Ray when > 1)")
+ENGINE_FLAGS = ("model", "drafter", "num_draft_tokens", "max_batch_size", "max_model_len", "device", "dtype", "tp")
+
+
+def _engine_args(p: argparse.ArgumentParser, with_defaults: bool = True) -> None:
+    """Engine flags; without defaults (serve), unset flags leave the config file's values alone."""
+    d = (lambda v: v) if with_defaults else (lambda v: None)  # noqa: E731
+    p.add_argument("--model", default=d("smollm2-135m"), help="model name, HF directory or .gguf file")
+    p.add_argument("--drafter", default=d("default"), help="'default', 'none' or an EAGLE-3 drafter directory")
+    p.add_argument("--num-draft-tokens", "-k", type=int, default=d(3), help="draft tokens per step (K)")
+    p.add_argument("--max-batch-size", type=int, default=d(8))
+    p.add_argument("--max-model-len", type=int, default=d(2048))
+    p.add_argument("--device", default=d("auto"), choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default=d("auto"), choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--tp", type=int, default=d(1), help="tensor-parallel size (runs on Ray when > 1)")
     p.add_argument("--no-overlap", action="store_true", help="process each step's results before the next")
 
 
@@ -82,8 +87,7 @@ def run_to_completion(cfg, prompts: list[list[int]], params) -> list[dict]:
     from speculative.coordinator import CoordinatorActor, check_tp_size
     check_tp_size(cfg)
     address = os.environ.get("RAY_ADDRESS")
-    # a local CPU run may place more ranks than cores: ranks take one logical CPU each
-    num_cpus = None if address or cfg.device == "cuda" else max(os.cpu_count() or 1, cfg.tp)
+    num_cpus = None if address or cfg.device == "cuda" else _local_cpus(cfg.tp)
     ray.init(address=address, num_cpus=num_cpus, logging_level="WARNING", log_to_driver=False)
     try:
         coordinator = CoordinatorActor.remote(cfg)
@@ -93,6 +97,60 @@ def run_to_completion(cfg, prompts: list[list[int]], params) -> list[dict]:
             ray.get(coordinator.shutdown.remote())
     finally:
         ray.shutdown()
+
+
+def cmd_train_drafter(args) -> None:
+    from speculative.train.config import TrainConfig
+    from speculative.train.pipeline import train_drafter
+    fields = json.loads(args.config.read_text()) if args.config else {}
+    fields.update({k: v for k, v in {"model": args.model, "output": args.output, "data": args.data,
+                                     "max_steps": args.max_steps, "draft_vocab_size": args.draft_vocab_size,
+                                     "ttt_steps": args.ttt_steps, "time_limit_s": args.time_limit,
+                                     "device": args.device}.items() if v is not None})
+    if args.prompts or args.num_prompts:
+        fields["distill"] = {**fields.get("distill", {}), **({"prompt_files": args.prompts} if args.prompts else {}),
+                             **({"num_prompts": args.num_prompts} if args.num_prompts else {})}
+    summary = train_drafter(TrainConfig(**fields))
+    print(json.dumps(summary), file=sys.stderr)
+
+
+def _local_cpus(tp: int) -> int:
+    # a local CPU run may place more ranks than cores: ranks take one logical CPU each
+    return max(os.cpu_count() or 1, tp + 1)
+
+
+def cmd_serve(args) -> None:
+    import signal
+    import threading
+
+    import ray
+    from ray import serve
+
+    from deployments.config import load_config
+    from deployments.server import build_app
+    overrides = {f"engine.{k}": getattr(args, k) for k in ENGINE_FLAGS}
+    if args.no_overlap:
+        overrides["engine.overlap"] = False
+    cfg = load_config(args.config, host=args.host, port=args.port, ray_address=args.address,
+                      num_replicas=args.replicas, **overrides)
+    from speculative.coordinator import check_tp_size
+    check_tp_size(cfg.engine)
+    local = cfg.ray_address is None
+    ray.init(address=cfg.ray_address, num_cpus=_local_cpus(cfg.engine.tp * cfg.num_replicas) if local else None,
+             logging_level="WARNING")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": cfg.host, "port": cfg.port})
+        serve.run(build_app(cfg), name="eagleserve", route_prefix="/")
+        print(f"eagleserve: serving {cfg.model_name!r} at http://{cfg.host}:{cfg.port}/v1", flush=True)
+        stop.wait()
+        print("eagleserve: shutting down", flush=True)
+    finally:
+        serve.shutdown()
+        if local:
+            ray.shutdown()
 
 
 def main(argv=None) -> None:
@@ -111,6 +169,29 @@ def main(argv=None) -> None:
     gen.add_argument("--max-tokens", type=int, default=256)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.set_defaults(func=cmd_generate)
+
+    train = sub.add_parser("train-drafter", help="self-distill data and train an EAGLE-3 drafter")
+    train.add_argument("--config", type=Path, help="JSON with TrainConfig fields (flags override it)")
+    train.add_argument("--model", help="target: model name, HF directory or .gguf file")
+    train.add_argument("-o", "--output", help="directory of the exported drafter")
+    train.add_argument("--data", help="self-distilled token file (generated when absent)")
+    train.add_argument("--prompts", nargs="+", help="JSONL(.gz) prompt files for self-distillation")
+    train.add_argument("--num-prompts", type=int)
+    train.add_argument("--max-steps", type=int)
+    train.add_argument("--draft-vocab-size", type=int)
+    train.add_argument("--ttt-steps", type=int, help="unrolled draft steps")
+    train.add_argument("--time-limit", type=float, help="seconds of training; then checkpoint and stop")
+    train.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    train.set_defaults(func=cmd_train_drafter)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API with Ray Serve")
+    srv.add_argument("--config", type=Path, help="YAML file with the ServeConfig fields")
+    srv.add_argument("--host", default=None, help="default 127.0.0.1")
+    srv.add_argument("--port", type=int, default=None, help="default 8000")
+    srv.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
+    srv.add_argument("--replicas", type=int, default=None)
+    _engine_args(srv, with_defaults=False)
+    srv.set_defaults(func=cmd_serve)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

@@ -47,12 +47,19 @@ class RayExecutor:
         self.result_timeout_s = result_timeout_s
         self.timings = ExecutorTimings()
         check_tp_size(cfg)
-        use_gpu = _wants_gpu(cfg)
+        use_gpu = wants_gpu(cfg)
         resource = "GPU" if use_gpu else "CPU"
-        self.pg = _reserve(cfg.tp, resource, ready_timeout_s)
+        # Inside a Serve replica the group's bundles come with the replica's placement group (after
+        # the replica's own bundle); elsewhere we reserve them.
+        self.pg = ray.util.get_current_placement_group()
+        self.owns_pg = self.pg is None
+        if self.owns_pg:
+            self.pg = _reserve(cfg.tp, resource, ready_timeout_s)
+        first = len(self.pg.bundle_specs) - cfg.tp
         self.workers = [
             TPWorker.options(num_cpus=0 if use_gpu else 1, num_gpus=1 if use_gpu else 0,
-                             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i))
+                             scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                 self.pg, placement_group_bundle_index=first + i))
             .remote(cfg, i, cfg.tp) for i in range(cfg.tp)]
         try:
             self._connect(load_timeout_s, collective_timeout_s)
@@ -130,7 +137,8 @@ class RayExecutor:
                 pass
         for w in self.workers:
             ray.kill(w, no_restart=True)
-        remove_placement_group(self.pg)
+        if self.owns_pg:
+            remove_placement_group(self.pg)
         if hasattr(self, "ctx"):
             self.ctx.destroy(linger=0)
 
@@ -156,7 +164,7 @@ def check_tp_size(cfg: EngineConfig) -> None:
                          f"{kv_heads} key/value heads; supported sizes: {sizes}")
 
 
-def _wants_gpu(cfg: EngineConfig) -> bool:
+def wants_gpu(cfg: EngineConfig) -> bool:
     if cfg.device == "auto":
         return ray.cluster_resources().get("GPU", 0) >= 1
     return cfg.device == "cuda"

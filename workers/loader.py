@@ -5,6 +5,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -138,13 +139,20 @@ def convert_gguf_cached(gguf_path: Path, name: str) -> Path:
     if (out / "converted_from").is_file() and (out / "converted_from").read_text() == stamp:
         return out
     start = time.perf_counter()
-    out.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # processes racing to convert each write their own
+    tmp.mkdir(parents=True, exist_ok=True)
     config, tensors = read_gguf(gguf_path)
-    save_file(tensors, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
     from transformers import AutoTokenizer
-    AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(out))
-    (out / "converted_from").write_text(stamp)
+    AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(tmp))
+    (tmp / "converted_from").write_text(stamp)
+    if out.exists():
+        shutil.rmtree(out, ignore_errors=True)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
     log.info("converted %s to %s in %.1f s (later starts load the safetensors cache)",
              gguf_path, out, time.perf_counter() - start)
     return out

@@ -1,0 +1,134 @@
+"""OpenAI API request and response models (the subset served), and OpenAI-style errors."""
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from speculative.config import SamplingParams
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by both endpoints. Options we do not implement are refused, never ignored."""
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
+    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
+    logprobs: bool | int | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop must be up to 4 non-empty strings")
+        return stops
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                              max_tokens=self.max_tokens or default_max_tokens, stop=self.stop or [],
+                              ignore_eos=self.ignore_eos)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int]
+    echo: bool = Field(False)
+    max_tokens: int | None = Field(16, ge=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], str):
+            if len(v) != 1:
+                raise ValueError("only one prompt per request is supported")
+            return v[0]
+        if isinstance(v, list) and not v:
+            raise ValueError("the prompt is empty")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+
+KNOWN_FIELDS = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
+IGNORED_FIELDS = {"logit_bias", "response_format", "tools", "tool_choice", "parallel_tool_calls", "metadata",
+                  "store", "service_tier", "top_logprobs", "suffix", "best_of", "prediction", "modalities",
+                  "reasoning_effort", "audio", "web_search_options"}
+
+
+def refuse_unknown(req: _SamplingRequest) -> None:
+    """Unsupported options with a non-default value are refused; unknown fields too."""
+    for name, value in (req.model_extra or {}).items():
+        if name in IGNORED_FIELDS and value in (None, False, [], {}):
+            continue
+        raise APIError(400, f"unsupported parameter {name!r}", param=name, code="unsupported_parameter")
+
+
+def completion_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def now() -> int:
+    return int(time.time())

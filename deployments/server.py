@@ -1,0 +1,288 @@
+"""The Ray Serve application: an OpenAI-compatible FastAPI ingress and the LLM server deployment,
+whose every replica owns one tensor-parallel group (its placement group: the replica's bundle plus
+one per rank, STRICT_PACK) and the coordinator that drives it."""
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+
+from deployments.config import ServeConfig
+from deployments.metrics import Metrics
+from deployments.protocol import (APIError, ChatCompletionRequest, CompletionRequest, completion_id, now,
+                                  refuse_unknown, usage)
+from speculative.config import SamplingParams
+from speculative.scheduler import RequestError
+
+log = logging.getLogger("eagleserve.server")
+api = FastAPI(title="eagleserve")
+
+
+@serve.deployment
+class LLMServer:
+    def __init__(self, cfg: ServeConfig):
+        from speculative.coordinator import Coordinator
+        self.cfg = cfg
+        self.coordinator = Coordinator(cfg.engine)
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
+        """Stream RequestOutput deltas; cancellation (client gone) aborts the request."""
+        from speculative.coordinator import EngineDeadError
+        c = self.coordinator
+        if c.engine.scheduler.num_waiting + c.commands.qsize() >= self.cfg.max_waiting_requests:
+            raise APIError(429, "the server is at capacity; retry later", "rate_limit_error",
+                           code="overloaded", headers={"Retry-After": "1"})
+        sink = asyncio.Queue()
+        try:
+            c.add(request_id, prompt_ids, params, sink, asyncio.get_running_loop())
+        except RequestError as e:
+            raise APIError(400, str(e), code="invalid_request") from None
+        except EngineDeadError as e:
+            raise APIError(503, f"engine unavailable: {e}", "server_error", headers={"Retry-After": "5"}) from None
+        log.info("request %s: %d prompt tokens", request_id, len(prompt_ids))
+        try:
+            while (item := await sink.get()) is not None:
+                if isinstance(item, Exception):
+                    raise APIError(503, f"generation failed: {item}", "server_error")
+                yield item
+        finally:
+            c.abort(request_id)
+            log.info("request %s: done", request_id)
+
+    def stats(self) -> dict:
+        return self.coordinator.stats()
+
+    def check_health(self) -> None:
+        if self.coordinator.error:
+            raise RuntimeError(f"decode loop failed: {self.coordinator.error}")
+
+
+@api.exception_handler(APIError)
+async def _api_error(request: Request, e: APIError):
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+@api.middleware("http")
+async def _request_id(request: Request, call_next):
+    # Serve's proxy takes x-request-id from the client (or makes one), passes it on and echoes it
+    # in the response; we reuse it so our log lines for the request carry it.
+    request.state.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    return await call_next(request)
+
+
+def _as_api_error(e: Exception) -> APIError:
+    cause = getattr(e, "cause", None)
+    if isinstance(e, APIError):
+        return e
+    if isinstance(cause, APIError):
+        return cause
+    return APIError(503, f"the server could not complete the request: {type(e).__name__}", "server_error",
+                    headers={"Retry-After": "5"})
+
+
+@serve.deployment
+@serve.ingress(api)
+class OpenAIIngress:
+    def __init__(self, server, cfg: ServeConfig):
+        from workers.loader import load_tokenizer, resolve_model
+        self.cfg = cfg
+        self.server = server.options(stream=True)
+        self.stats_handle = server
+        self.tokenizer = load_tokenizer(resolve_model(cfg.engine.model))
+        self.metrics = Metrics()
+
+    async def _parse(self, request: Request, model_cls):
+        key = self.cfg.resolved_api_key
+        if key and request.headers.get("authorization") != f"Bearer {key}":
+            raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+        body = await request.body()
+        if len(body) > self.cfg.max_request_bytes:
+            raise APIError(413, f"request body over {self.cfg.max_request_bytes} bytes", code="request_too_large")
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "request body must be a JSON object", code="invalid_json")
+        try:
+            req = model_cls.model_validate(data)
+        except ValidationError as e:
+            err = e.errors()[0]
+            param = ".".join(str(p) for p in err["loc"])
+            raise APIError(400, f"{param}: {err['msg']}", param=param, code="invalid_value") from None
+        refuse_unknown(req)
+        if req.model != self.cfg.model_name:
+            raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.cfg.model_name!r}",
+                           param="model", code="model_not_found")
+        return req
+
+    def _sampling(self, req, prompt_ids: list[int], max_tokens: int | None) -> SamplingParams:
+        limit = self.cfg.engine.max_model_len
+        if len(prompt_ids) >= limit:
+            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; the maximum context is {limit}",
+                           param="messages", code="context_length_exceeded")
+        if max_tokens is not None and len(prompt_ids) + max_tokens > limit:
+            raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                           f"maximum context of {limit} tokens", param="max_tokens", code="context_length_exceeded")
+        return req.sampling_params(limit - len(prompt_ids)).model_copy(
+            update={"max_tokens": max_tokens or limit - len(prompt_ids)})
+
+    async def _run(self, request: Request, endpoint: str, prompt_ids, params, stream: bool, make_chunk, make_full,
+                   include_usage: bool):
+        rid = f"{request.state.request_id}/{uuid.uuid4().hex[:8]}"
+        start = time.perf_counter()
+        outputs = self.server.generate.remote(rid, prompt_ids, params)
+        try:
+            first = await outputs.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except Exception as e:
+            err = _as_api_error(e)
+            self.metrics.requests[(endpoint, err.status)] += 1
+            raise err from None
+        self.metrics.requests[(endpoint, 200)] += 1
+        self.metrics.prompt_tokens += len(prompt_ids)
+        state = {"tokens": 0, "last": start, "finish": None}
+
+        async def deltas():
+            items = [first] if first is not None else []
+            for item in items:
+                yield item
+            async for item in outputs:
+                yield item
+
+        def observe(item):
+            t = time.perf_counter()
+            if item.new_token_ids:
+                if state["tokens"] == 0:
+                    self.metrics.ttft.observe(t - start)
+                else:
+                    self.metrics.itl.observe((t - state["last"]) / len(item.new_token_ids))
+                state["last"] = t
+            state["tokens"] += len(item.new_token_ids)
+            self.metrics.completion_tokens += len(item.new_token_ids)
+            state["finish"] = item.finish_reason or state["finish"]
+
+        if not stream:
+            text = []
+            async for item in deltas():
+                observe(item)
+                text.append(item.text_delta)
+            return make_full("".join(text), state["finish"], usage(len(prompt_ids), state["tokens"]))
+
+        async def sse():
+            try:
+                async for item in deltas():
+                    observe(item)
+                    if item.text_delta or item.finish_reason:
+                        yield f"data: {json.dumps(make_chunk(item.text_delta, item.finish_reason))}\n\n"
+                if include_usage:
+                    yield f"data: {json.dumps(make_chunk(None, None, usage(len(prompt_ids), state['tokens'])))}\n\n"
+                yield "data: [DONE]\n\n"
+            except Exception as e:  # the stream already started: report in-band, OpenAI style
+                yield f"data: {json.dumps(_as_api_error(e).body())}\n\n"
+            finally:
+                outputs.cancel()
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    @api.post("/v1/chat/completions")
+    async def chat(self, request: Request):
+        req = await self._parse(request, ChatCompletionRequest)
+        from speculative.engine import encode_prompt
+        prompt_ids = encode_prompt(self.tokenizer, [{"role": m.role if m.role != "developer" else "system",
+                                                     "content": m.text()} for m in req.messages])
+        params = self._sampling(req, prompt_ids, req.max_completion_tokens or req.max_tokens)
+        cid, created = completion_id("chatcmpl"), now()
+        sent_role = []
+
+        def chunk(text, finish, usage_=None):
+            body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.cfg.model_name,
+                    "choices": []}
+            if usage_ is not None:
+                body["usage"] = usage_
+                return body
+            delta = {"content": text} if text else {}
+            if not sent_role:
+                delta["role"] = "assistant"
+                sent_role.append(True)
+            body["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+            return body
+
+        def full(text, finish, usage_):
+            return {"id": cid, "object": "chat.completion", "created": created, "model": self.cfg.model_name,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                 "finish_reason": finish, "logprobs": None}], "usage": usage_}
+        include = bool(req.stream_options and req.stream_options.include_usage)
+        return await self._run(request, "chat", prompt_ids, params, req.stream, chunk, full, include)
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        req = await self._parse(request, CompletionRequest)
+        if isinstance(req.prompt, str):
+            prompt_ids = self.tokenizer.encode(req.prompt, add_special_tokens=False)
+        else:
+            prompt_ids = req.prompt
+            vocab = len(self.tokenizer)
+            if any(not 0 <= t < vocab for t in prompt_ids):
+                raise APIError(400, f"prompt token ids must lie in 0..{vocab - 1}", param="prompt", code="invalid_value")
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+        params = self._sampling(req, prompt_ids, req.max_tokens)
+        cid, created = completion_id("cmpl"), now()
+
+        def chunk(text, finish, usage_=None):
+            body = {"id": cid, "object": "text_completion", "created": created, "model": self.cfg.model_name,
+                    "choices": [] if usage_ else [{"index": 0, "text": text or "", "finish_reason": finish,
+                                                   "logprobs": None}]}
+            if usage_:
+                body["usage"] = usage_
+            return body
+
+        def full(text, finish, usage_):
+            return {"id": cid, "object": "text_completion", "created": created, "model": self.cfg.model_name,
+                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}], "usage": usage_}
+        include = bool(req.stream_options and req.stream_options.include_usage)
+        return await self._run(request, "completions", prompt_ids, params, req.stream, chunk, full, include)
+
+    @api.get("/v1/models")
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "created": now(),
+                                            "owned_by": "eagleserve"}]}
+
+    @api.get("/health")
+    async def health(self):
+        stats = await self.stats_handle.stats.remote()
+        if not stats["healthy"]:
+            raise APIError(503, "the engine is not healthy", "server_error")
+        return {"status": "ok"}
+
+    @api.get("/metrics")
+    async def metrics(self):
+        return PlainTextResponse(self.metrics.render(await self.stats_handle.stats.remote()),
+                                 media_type="text/plain; version=0.0.4")
+
+
+def llm_server_options(cfg: ServeConfig) -> dict:
+    from speculative.coordinator import wants_gpu
+    use_gpu = wants_gpu(cfg.engine)
+    rank_bundle = {"GPU": 1} if use_gpu else {"CPU": 1}
+    options = {"placement_group_bundles": [{"CPU": 0.01}] + [rank_bundle] * cfg.engine.tp,
+               "placement_group_strategy": "STRICT_PACK", "max_ongoing_requests": cfg.max_ongoing_requests,
+               "health_check_period_s": 5, "health_check_timeout_s": 30, "ray_actor_options": {"num_cpus": 0.01}}
+    if cfg.autoscaling:
+        options["autoscaling_config"] = cfg.autoscaling.model_dump()
+    else:
+        options["num_replicas"] = cfg.num_replicas
+    return options
+
+
+def build_app(cfg: ServeConfig | dict):
+    """The Serve application. `serve run deployments/serve_config.yaml` calls this with its args."""
+    cfg = ServeConfig.model_validate(cfg) if isinstance(cfg, dict) else cfg
+    server = LLMServer.options(**llm_server_options(cfg)).bind(cfg)
+    return OpenAIIngress.options(ray_actor_options={"num_cpus": 0.01}).bind(server, cfg)
