@@ -69,7 +69,8 @@ def verify_greedy(target_ids: torch.Tensor, drafts: torch.Tensor) -> tuple[torch
 def verify_sampled(probs: torch.Tensor, drafts: torch.Tensor, u_accept: torch.Tensor,
                    u_sample: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """probs [B, K+1, V] target distributions, drafts [B, K] (greedy drafts: q is one-hot),
-    u_accept [B, K], u_sample [B] -> (tokens [B, K+1], num_emitted [B]).
+    u_accept [B, K] and u_sample [B, K+1] uniforms per position -> (tokens [B, K+1], num_emitted [B]).
+    The bonus token after `a` accepted drafts draws with u_sample[:, a], the uniform of its position.
     Draft x is accepted with probability p(x); on rejection the token is drawn from p with x removed
     and renormalised (max(p - q, 0) for one-hot q). The result is distributed exactly as p."""
     B, K = drafts.shape
@@ -81,7 +82,7 @@ def verify_sampled(probs: torch.Tensor, drafts: torch.Tensor, u_accept: torch.Te
         rejected = drafts.gather(1, accepted.clamp(max=K - 1).unsqueeze(1)).squeeze(1)
         keep = torch.where(accepted < K, 0.0, 1.0).to(residual.dtype)
         residual = residual.scatter(1, rejected.unsqueeze(1), (residual[rows, rejected] * keep).unsqueeze(1))
-    bonus = sample(residual, u_sample)
+    bonus = sample(residual, u_sample[rows, accepted])
     padded = torch.cat([drafts, bonus.unsqueeze(1)], dim=1)
     j = torch.arange(K + 1, device=probs.device)
     tokens = torch.where(j < accepted.unsqueeze(1), padded, bonus.unsqueeze(1))
