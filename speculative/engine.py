@@ -20,7 +20,7 @@ def encode_prompt(tokenizer, prompt: str | list[dict], raw: bool = False) -> lis
 
 
 def eos_ids(tokenizer, model_config: dict) -> set[int]:
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    ids = {tokenizer.eos_token_id} if tokenizer is not None and tokenizer.eos_token_id is not None else set()
     eos = model_config.get("eos_token_id")
     ids |= set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
     return ids

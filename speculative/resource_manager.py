@@ -49,7 +49,7 @@ class Eagle3ResourceManager:
         if rows * tokens > self.features.shape[0]:
             raise SlotError(f"step of {rows}x{tokens} tokens exceeds the feature buffer "
                             f"({self.features.shape[0]} tokens)")
-        return self.features[:rows * tokens].view(rows, tokens, -1)
+        return self.features[:rows * tokens].view(rows, tokens, self.features.shape[1])
 
     def write_hidden(self, slots: torch.Tensor, hidden: torch.Tensor) -> None:
         self.draft_hidden.index_copy_(0, slots, hidden)  # async on the current stream

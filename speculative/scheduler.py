@@ -85,6 +85,8 @@ class Scheduler:
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                f"the maximum sequence length of {self.max_model_len} tokens")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer and this model directory has none")
         if len(prompt_ids) > self.max_num_batched_tokens:
             raise RequestError(f"prompt ({len(prompt_ids)} tokens) exceeds max_num_batched_tokens "
                                f"({self.max_num_batched_tokens})")

@@ -44,11 +44,12 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(V, device=logits.device)
     k = torch.where(top_k > 0, top_k, V).view(-1, 1, 1)
-    cut = rank >= k
+    # top-k first, then top-p on the renormalised survivors (the Hugging Face / vLLM order)
+    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))   # [B, T, V]
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = probs.cumsum(-1) - probs
-    cut |= mass_before >= top_p.view(-1, 1, 1)  # keeps the smallest prefix with mass >= top_p
-    sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
+    # keeps the smallest prefix with mass >= top_p
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.view(-1, 1, 1), float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 

@@ -162,7 +162,13 @@ def load_config(model_dir: Path) -> dict:
     return json.loads((Path(model_dir) / "config.json").read_text())
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(model_dir: Path):
+    """The directory's tokenizer, or None when it has none (the engine then works on token ids only)."""
+    if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
+        return None
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(model_dir))
 

@@ -80,7 +80,8 @@ class ModelRunner:
         # room for K+1 tokens past the last real one, twice (a step in flight may overrun a finished request)
         self.cache_len = self.max_model_len + 2 * (self.K + 1) + 1
         drafter_dir = resolve_drafter(cfg.drafter, cfg.model, self.target_cfg) if cfg.speculative else None
-        aux_ids = DrafterConfig.from_hf(load_config(drafter_dir)).aux_layer_ids if drafter_dir else None
+        # plain decoding captures no aux hidden states (and works for targets of any depth)
+        aux_ids = DrafterConfig.from_hf(load_config(drafter_dir)).aux_layer_ids if drafter_dir else ()
         self.target = Llama(self.target_cfg, group, self.cache_len, aux_ids)
         load_target_weights(self.target, model_dir)
         self.target.to(self.device, self.dtype)
@@ -183,6 +184,7 @@ class ModelRunner:
 
     def _batch(self, slots, positions, valid, kv_len) -> ForwardBatch:
         dummy = self.resources.dummy_slot
+        kv_len = min(kv_len, self.cache_len)  # the plan rounds kv_len up; the cache may be shorter
         write_slots = torch.where(valid, slots.unsqueeze(1), dummy)
         positions = positions.clamp(max=self.cache_len - 1)
         return ForwardBatch(slots, positions, write_slots, positions, kv_len)
