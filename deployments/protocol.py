@@ -15,6 +15,9 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers or {}
 
+    def __reduce__(self):  # crosses Ray's process boundary intact
+        return APIError, (self.status, self.message, self.type, self.param, self.code, self.headers)
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 

@@ -34,7 +34,9 @@ class LLMServer:
         """Stream RequestOutput deltas; cancellation (client gone) aborts the request."""
         from speculative.coordinator import EngineDeadError
         c = self.coordinator
-        if c.engine.scheduler.num_waiting + c.commands.qsize() >= self.cfg.max_waiting_requests:
+        scheduler = c.engine.scheduler
+        free_slots = scheduler.num_slots - scheduler.num_running
+        if scheduler.num_waiting + c.commands.qsize() - free_slots >= self.cfg.max_waiting_requests:
             raise APIError(429, "the server is at capacity; retry later", "rate_limit_error",
                            code="overloaded", headers={"Retry-After": "1"})
         sink = asyncio.Queue()
@@ -96,10 +98,13 @@ class OpenAIIngress:
         self.tokenizer = load_tokenizer(resolve_model(cfg.engine.model))
         self.metrics = Metrics()
 
-    async def _parse(self, request: Request, model_cls):
+    def _authorize(self, request: Request) -> None:
         key = self.cfg.resolved_api_key
         if key and request.headers.get("authorization") != f"Bearer {key}":
             raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+
+    async def _parse(self, request: Request, model_cls):
+        self._authorize(request)
         body = await request.body()
         if len(body) > self.cfg.max_request_bytes:
             raise APIError(413, f"request body over {self.cfg.max_request_bytes} bytes", code="request_too_large")
@@ -250,7 +255,8 @@ class OpenAIIngress:
         return await self._run(request, "completions", prompt_ids, params, req.stream, chunk, full, include)
 
     @api.get("/v1/models")
-    async def models(self):
+    async def models(self, request: Request):
+        self._authorize(request)
         return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "created": now(),
                                             "owned_by": "eagleserve"}]}
 
@@ -285,4 +291,5 @@ def build_app(cfg: ServeConfig | dict):
     """The Serve application. `serve run deployments/serve_config.yaml` calls this with its args."""
     cfg = ServeConfig.model_validate(cfg) if isinstance(cfg, dict) else cfg
     server = LLMServer.options(**llm_server_options(cfg)).bind(cfg)
-    return OpenAIIngress.options(ray_actor_options={"num_cpus": 0.01}).bind(server, cfg)
+    return OpenAIIngress.options(ray_actor_options={"num_cpus": 0.01},
+                                 max_ongoing_requests=cfg.max_ongoing_requests * cfg.num_replicas).bind(server, cfg)

@@ -1,0 +1,198 @@
+"""The Ray Serve OpenAI endpoint, tested over real HTTP with the official openai client."""
+import concurrent.futures
+import json
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import ray
+import yaml
+from ray import serve
+
+from deployments.config import ServeConfig
+from deployments.server import build_app
+from workers.distributed import free_port
+
+MODEL = "smollm2-135m"
+KEY = "test-key"
+QUESTIONS = ["What is 2+2?", "Name a fruit.", "Say hello.", "What color is the sky?", "Count to five.",
+             "Name a planet.", "What is the capital of Italy?", "Give me a synonym for happy."]
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    cfg = ServeConfig(engine={"max_batch_size": 16, "max_model_len": 512}, api_key=KEY, max_waiting_requests=8)
+    serve.run(build_app(cfg), name="eagleserve", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def chat(client, question, max_tokens=24, **kw):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                          max_tokens=max_tokens, temperature=0, **kw)
+
+
+@pytest.fixture(scope="module")
+def alone(client):
+    """Greedy answers, each run with no other request in flight."""
+    return {q: chat(client, q).choices[0].message.content for q in QUESTIONS}
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_non_streaming(client, alone):
+    r = chat(client, QUESTIONS[0])
+    assert r.choices[0].message.content == alone[QUESTIONS[0]] and r.choices[0].message.content
+    assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 10
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_chat_streaming_equals_non_streaming(client, alone):
+    stream = chat(client, QUESTIONS[1], stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == alone[QUESTIONS[1]]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_sse_wire_format_ends_with_done(base_url):
+    body = {"model": MODEL, "prompt": "The sky is", "max_tokens": 8, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events)
+    assert json.loads(events[0][6:])["object"] == "text_completion"
+
+
+def test_completions(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    s = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0,
+                                  stream=True)
+    assert r.choices[0].text == "".join(c.choices[0].text for c in s if c.choices) != ""
+    assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
+
+
+def _post(base_url, path, content, key=KEY, headers=None):
+    h = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
+    return httpx.post(f"{base_url}{path}", content=content, headers=h, timeout=180)
+
+
+BAD_REQUESTS = [
+    ("malformed json", "/v1/chat/completions", "{not json", 400),
+    ("wrong type", "/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400),
+    ("max_tokens 0", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                              "max_tokens": 0}, 400),
+    ("temperature 3", "/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 3}, 400),
+    ("unknown model", "/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404),
+    ("n > 1", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2}, 400),
+    ("logprobs", "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400),
+    ("unknown option", "/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, 400),
+    ("prompt too long", "/v1/completions", {"model": MODEL, "prompt": "hello " * 600}, 400),
+    ("max_tokens over context", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 100000}, 400),
+    ("bad token id", "/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**9]}, 400),
+    ("empty messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_input_gets_openai_error(base_url, name, path, body, status):
+    r = _post(base_url, path, body if isinstance(body, str) else json.dumps(body))
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"]
+
+
+def test_bad_input_harms_no_other_request(client, base_url, alone):
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        good = pool.submit(chat, client, QUESTIONS[2])
+        bad = [pool.submit(_post, base_url, "/v1/completions", json.dumps(b[2])) for b in BAD_REQUESTS[:6]
+               if b[1] == "/v1/completions" or True]
+        assert good.result().choices[0].message.content == alone[QUESTIONS[2]]
+        assert all(400 <= f.result().status_code < 500 for f in bad)
+
+
+def test_api_key_required(base_url):
+    r = _post(base_url, "/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}]}),
+              key=None)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_request_id_echoed(base_url):
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0})
+    r = _post(base_url, "/v1/completions", body, headers={"x-request-id": "my-id-123"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "my-id-123"
+    assert _post(base_url, "/v1/completions", body).headers.get("x-request-id")
+
+
+def test_16_concurrent_requests_equal_their_alone_output(client, alone):
+    questions = (QUESTIONS * 2)[:16]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda q: chat(client, q).choices[0].message.content, questions))
+    assert answers == [alone[q] for q in questions]
+
+
+def _engine_stats(base_url):
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_cancelled_stream_frees_its_slot(client, base_url):
+    stream = chat(client, "Write a very long story about a dragon.", max_tokens=400, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    deadline = time.time() + 30
+    while time.time() < deadline and _engine_stats(base_url)["eagleserve_batch_size"] > 0:
+        time.sleep(0.5)
+    assert _engine_stats(base_url)["eagleserve_batch_size"] == 0
+
+
+def test_overload_gets_429_not_a_hang(base_url):
+    body = json.dumps({"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 16, "temperature": 0,
+                       "ignore_eos": True})
+    with concurrent.futures.ThreadPoolExecutor(40) as pool:
+        statuses = list(pool.map(lambda _: _post(base_url, "/v1/completions", body).status_code, range(40)))
+    assert set(statuses) <= {200, 429}
+    assert statuses.count(429) > 0 and statuses.count(200) >= 16
+
+
+def test_health_and_metrics(base_url):
+    assert httpx.get(f"{base_url}/health", timeout=30).status_code == 200
+    stats = _engine_stats(base_url)
+    for name in ("eagleserve_completion_tokens_total", "eagleserve_time_to_first_token_seconds_count",
+                 "eagleserve_inter_token_latency_seconds_count", "eagleserve_queue_depth",
+                 "eagleserve_draft_tokens_proposed_total", "eagleserve_draft_tokens_accepted_total",
+                 "eagleserve_mean_acceptance_length", 'eagleserve_acceptance_rate{position="1"}'):
+        assert name in stats, name
+    assert stats["eagleserve_completion_tokens_total"] > 0
+    assert stats["eagleserve_draft_tokens_proposed_total"] > 0
+
+
+def test_serve_config_file_is_valid():
+    from ray.serve.schema import ServeDeploySchema
+    path = Path(__file__).parents[1] / "deployments" / "serve_config.yaml"
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
+    app = schema.applications[0]
+    assert app.import_path == "deployments.server:build_app"
+    ServeConfig.model_validate(app.args)
