@@ -133,12 +133,13 @@ class Scheduler:
         decodes = [r for r in self.running.values()
                    if not r.is_finished and r.slot is not None and not self._will_surely_finish(r)]
         prefills = []
-        budget = self.max_num_batched_tokens
+        longest = 0  # prefills run padded to the longest prompt: rows x longest is what the step holds
         while self.waiting and self.free_slots and len(prefills) + len(decodes) < self.num_slots:
-            if len(self.waiting[0].prompt_ids) > budget:
+            longest_next = max(longest, len(self.waiting[0].prompt_ids))
+            if (len(prefills) + 1) * longest_next > self.max_num_batched_tokens:
                 break
             r = self.waiting.popleft()
-            budget -= len(r.prompt_ids)
+            longest = longest_next
             r.slot = self.free_slots.pop(0)
             self.running[r.request_id] = r
             prefills.append(r)
