@@ -153,6 +153,28 @@ def cmd_serve(args) -> None:
             ray.shutdown()
 
 
+def cmd_bench(args) -> None:
+    import ray
+
+    from deployments import bench
+    on = {"on": [True], "off": [False], "both": [True, False]}
+    prompts = bench.load_prompts(args.dataset, max(args.num_prompts, 1))
+    ray.init(address=os.environ.get("RAY_ADDRESS"), num_cpus=None if args.device == "cuda" else _local_cpus(1),
+             logging_level="WARNING", log_to_driver=False)
+    try:
+        runs = bench.bench(args.model, args.drafter, [int(k) for k in args.k.split(",")], args.modes.split(","),
+                           on[args.cuda_graphs], on[args.overlap], [int(b) for b in args.batch.split(",")], prompts,
+                           args.output_len, args.ignore_eos, args.device, args.max_model_len, args.num_prompts)
+    finally:
+        ray.shutdown()
+    bench.print_table(runs)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"model": args.model, "drafter": args.drafter, "runs": runs}, indent=1))
+    if bench.plot(runs, args.output.with_suffix(".png")):
+        print(f"plot: {args.output.with_suffix('.png')}")
+    print(f"results: {args.output}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="eagleserve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -192,6 +214,23 @@ def main(argv=None) -> None:
     srv.add_argument("--replicas", type=int, default=None)
     _engine_args(srv, with_defaults=False)
     srv.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="offline throughput: plain vs EAGLE-3, overlap, CUDA graphs, batch sizes")
+    b.add_argument("--model", default="smollm2-135m")
+    b.add_argument("--drafter", default="default")
+    b.add_argument("--dataset", default=None, help="JSONL of prompts (default: GSM8K test, chat template)")
+    b.add_argument("--num-prompts", type=int, default=32, help="prompts per run (at least 2 x batch are used)")
+    b.add_argument("--batch", default="1,8", help="comma-separated concurrency levels")
+    b.add_argument("--modes", default="plain,eagle", help="plain and/or eagle")
+    b.add_argument("-k", default="3", help="comma-separated draft lengths")
+    b.add_argument("--cuda-graphs", choices=["on", "off", "both"], default="on")
+    b.add_argument("--overlap", choices=["on", "off", "both"], default="on")
+    b.add_argument("--output-len", type=int, default=256)
+    b.add_argument("--ignore-eos", action="store_true")
+    b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    b.add_argument("--max-model-len", type=int, default=1024)
+    b.add_argument("-o", "--output", type=Path, default=Path("benchmarks/bench.json"))
+    b.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

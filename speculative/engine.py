@@ -39,6 +39,8 @@ class LLMEngine:
         self.scheduler = Scheduler(executor.num_slots, executor.max_model_len, cfg.max_num_batched_tokens,
                                    cfg.k, eos_ids(self.tokenizer, load_config(model_dir)), self.tokenizer, cfg.seed)
         self.in_flight = deque()  # (plan, handle), oldest first
+        self.overlap = cfg.overlap  # may be switched between runs (benchmarks)
+        self.device_s = 0.0         # GPU time of processed steps (0 on CPU)
         self.request_ids = itertools.count()
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
@@ -57,10 +59,12 @@ class LLMEngine:
         plan = self.scheduler.plan()
         if plan is not None:
             self.in_flight.append((plan, self.executor.execute(plan)))
-        depth = 1 if self.cfg.overlap else 0
+        depth = 1 if self.overlap else 0
         if len(self.in_flight) > depth or (plan is None and self.in_flight):
             done_plan, handle = self.in_flight.popleft()
-            return self.scheduler.process(done_plan, handle.result())
+            result = handle.result()
+            self.device_s += result.device_s
+            return self.scheduler.process(done_plan, result)
         return []
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Request]:

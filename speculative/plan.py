@@ -37,4 +37,5 @@ class StepResult:
     step_id: int
     tokens: np.ndarray        # [rows, K+1] emitted tokens per row; only the first num_emitted count
     num_emitted: np.ndarray   # [rows] 1 + accepted drafts (1 for prefill rows)
-    execute_s: float = 0.0    # worker time inside execute, for control-plane measurements
+    execute_s: float = 0.0    # worker host time inside execute, for control-plane measurements
+    device_s: float = 0.0     # GPU time from the step's first kernel to its results copy (CUDA events)

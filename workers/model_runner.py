@@ -48,11 +48,14 @@ class StepOutput:
     num_emitted: torch.Tensor
     event: torch.cuda.Event | None
     execute_s: float
+    start_event: torch.cuda.Event | None = None
 
     def result(self) -> StepResult:
+        device_s = 0.0
         if self.event is not None:
             self.event.synchronize()
-        return StepResult(self.step_id, self.tokens.numpy(), self.num_emitted.numpy(), self.execute_s)
+            device_s = self.start_event.elapsed_time(self.event) / 1000
+        return StepResult(self.step_id, self.tokens.numpy(), self.num_emitted.numpy(), self.execute_s, device_s)
 
 
 @dataclass
@@ -92,6 +95,11 @@ class ModelRunner:
         log.info("rank %d: loaded %s%s in %.1f s", self.rank, cfg.model,
                  f" + drafter {drafter_dir}" if drafter_dir else "", time.perf_counter() - start)
         self._allocate()
+        self.verify_graphs = self.chain_graphs = None
+        self.graph_pool_bytes = 0
+        if cfg.cuda_graphs and self.device.type == "cuda":
+            with torch.inference_mode():
+                self.capture_graphs()
 
     def _allocate(self) -> None:
         cfg, tc = self.cfg, self.target_cfg
@@ -146,9 +154,15 @@ class ModelRunner:
             self.resources.allocate(row.slot)
         self.resources.check_allocated(plan.decode_slots)
         inputs = self._prepare(plan)
+        start_event = None
+        if self.device.type == "cuda":
+            start_event = torch.cuda.Event(enable_timing=True)
+            start_event.record()
         with no_host_sync(self.check_host_sync):
             tokens, num_emitted = self._run(plan, inputs)
-        return self._send_back(plan.step_id, tokens, num_emitted, time.perf_counter() - start)
+        output = self._send_back(plan.step_id, tokens, num_emitted, time.perf_counter() - start)
+        output.start_event = start_event
+        return output
 
     def _prepare(self, plan: StepPlan) -> dict[str, torch.Tensor]:
         """Every input built in (pinned) host tensors, then copied together, non-blocking."""
@@ -228,51 +242,88 @@ class ModelRunner:
 
     def _verify(self, plan: StepPlan, slots: torch.Tensor):
         K, B = self.K, slots.shape[0]
+        if self.verify_graphs is not None and plan.all_greedy and self.verify_graphs.fits(B, plan.kv_len):
+            tokens, emitted, base = self.verify_graphs(slots, kv_len=plan.kv_len)
+        else:
+            tokens, emitted, base = self._verify_target(slots, kv_len=plan.kv_len, plan=plan)
+        seed = None
+        if self.drafter is not None:  # first draft forward: eager, over accepted + 1 tokens per row
+            rows = torch.arange(B, device=self.device)
+            accepted = emitted - 1
+            positions = base.unsqueeze(1) + torch.arange(K + 1, device=self.device)
+            valid = torch.arange(K + 1, device=self.device) <= accepted.unsqueeze(1)
+            dbatch = self._batch(slots, positions, valid, plan.kv_len)
+            h = self.drafter(tokens, self.resources.feature_view(B, K + 1), dbatch, from_features=True)
+            last = h[rows, accepted]
+            seed = DraftSeed(slots, last, base + accepted, self.drafter.propose(last))
+        return tokens, emitted, seed
+
+    def _verify_target(self, slots: torch.Tensor, kv_len: int, plan: StepPlan | None = None):
+        """Target forward over [pending token, drafts] per row, verification and the slot-state
+        update. Greedy when `plan` is None (the CUDA-graphed form). -> tokens [B, K+1],
+        num_emitted [B], position of the pending token before the step [B]."""
+        K, B = self.K, slots.shape[0]
         rows = torch.arange(B, device=self.device)
-        base = self.num_computed[slots]                                        # [B] position of the pending token
+        base = self.num_computed[slots]                                        # [B]
         positions = base.unsqueeze(1) + torch.arange(K + 1, device=self.device)  # [B, K+1]
         drafts = self.drafts[slots, :K]                                       # [B, K]
         ids = torch.cat([self.last_token[slots].unsqueeze(1), drafts], dim=1)  # [B, K+1]
-        all_valid = torch.ones_like(ids, dtype=torch.bool)
-        batch = self._batch(slots, positions, all_valid, plan.kv_len)
-        features = self.resources.feature_view(B, K + 1)
-        hidden, _ = self.target(ids, batch, features)
+        batch = self._batch(slots, positions, torch.ones_like(ids, dtype=torch.bool), kv_len)
+        hidden, _ = self.target(ids, batch, self.resources.feature_view(B, K + 1) if self.drafter else None)
         logits = self.target.logits(hidden)                                   # [B, K+1, V]
-        if plan.all_greedy:
+        if plan is None or plan.all_greedy:
             tokens, emitted = verify_greedy(logits.argmax(-1), drafts)
         else:
             seeds = self.seeds[slots]
             tokens, emitted = verify_sampled(self._probs(plan, logits, slots), drafts,
                                              uniform(seeds, positions[:, 1:], ACCEPT_STREAM),
                                              uniform(seeds, positions + 1, SAMPLE_STREAM))
-        accepted = emitted - 1
-        self.last_token.index_copy_(0, slots, tokens[rows, accepted])
+        self.last_token.index_copy_(0, slots, tokens[rows, emitted - 1])
         self.num_computed.index_copy_(0, slots, base + emitted)
-        seed = None
-        if self.drafter is not None:
-            valid = torch.arange(K + 1, device=self.device) <= accepted.unsqueeze(1)
-            dbatch = self._batch(slots, positions, valid, plan.kv_len)
-            h = self.drafter(tokens, features, dbatch, from_features=True)
-            last = h[rows, accepted]
-            seed = DraftSeed(slots, last, base + accepted, self.drafter.propose(last))
-        return tokens, emitted, seed
+        return tokens, emitted, base
 
     def _draft_chain(self, plan: StepPlan, seeds: list[DraftSeed]) -> None:
-        """Draft forwards 2..K, one token per row, each launched from the previous one's tensors."""
         slots = torch.cat([s.slots for s in seeds])
         draft = torch.cat([s.first_draft for s in seeds])
         positions = torch.cat([s.positions for s in seeds])
         self.resources.write_hidden(slots, torch.cat([s.hidden for s in seeds]))
+        if self.chain_graphs is not None and self.chain_graphs.fits(slots.shape[0], plan.kv_len):
+            self.chain_graphs(slots, draft, positions, kv_len=plan.kv_len)
+        else:
+            self._draft_steps(slots, draft, positions, kv_len=plan.kv_len)
+
+    def _draft_steps(self, slots: torch.Tensor, draft: torch.Tensor, positions: torch.Tensor, kv_len: int):
+        """Draft forwards 2..K, one token per row, each launched from the previous one's tensors.
+        slots, draft (the first draft), positions (of the drafter output that made it): [B]."""
         drafts = [draft]
         one = torch.ones(slots.shape[0], 1, dtype=torch.bool, device=self.device)
         for k in range(1, self.K):
-            pos = (positions + k).unsqueeze(1)                                  # [B, 1]
-            batch = self._batch(slots, pos, one, plan.kv_len)
+            batch = self._batch(slots, (positions + k).unsqueeze(1), one, kv_len)
             hidden = self.resources.read_hidden(slots).unsqueeze(1)             # [B, 1, H]
             h = self.drafter(drafts[-1].unsqueeze(1), hidden, batch, from_features=False)[:, 0]
             self.resources.write_hidden(slots, h)
             drafts.append(self.drafter.propose(h))
-        self.drafts.index_copy_(0, slots, torch.stack(drafts, dim=1))
+        stacked = torch.stack(drafts, dim=1)                                    # [B, K]
+        self.drafts.index_copy_(0, slots, stacked)
+        return (stacked,)
+
+    def capture_graphs(self) -> None:
+        """CUDA graphs for the greedy verify pass (plain decode when K=0) and draft steps 2..K."""
+        from workers.cuda_graphs import StepGraphs
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info()[0]
+        args = (self.num_slots, self.cache_len, self.resources.dummy_slot)
+        self.verify_graphs = StepGraphs(self._verify_target, *args, [], self.device)
+        self.verify_graphs.capture_all()
+        if self.drafter is not None and self.K > 1:
+            self.chain_graphs = StepGraphs(self._draft_steps, *args, [torch.long, torch.long], self.device,
+                                           self.verify_graphs.pool)
+            self.chain_graphs.capture_all()
+        torch.cuda.synchronize()
+        self.graph_pool_bytes = free_before - torch.cuda.mem_get_info()[0]
+        log.info("rank %d: captured %d CUDA graphs in %.1f s (%.1f MiB)", self.rank,
+                 len(self.verify_graphs.graphs) + (len(self.chain_graphs.graphs) if self.chain_graphs else 0),
+                 time.perf_counter() - start, self.graph_pool_bytes / 2**20)
 
     def _send_back(self, step_id, tokens, num_emitted, execute_s) -> StepOutput:
         if self.device.type != "cuda":
@@ -281,6 +332,6 @@ class ModelRunner:
         emitted_host = torch.empty(num_emitted.shape, dtype=num_emitted.dtype, pin_memory=True)
         tokens_host.copy_(tokens, non_blocking=True)
         emitted_host.copy_(num_emitted, non_blocking=True)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=True)
         event.record()
         return StepOutput(step_id, tokens_host, emitted_host, event, execute_s)

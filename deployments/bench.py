@@ -1,0 +1,159 @@
+"""`eagleserve bench`: offline throughput through the Ray path (one TP group + the coordinator),
+in the manner of trtllm-bench / vllm bench. Every combination of the given modes, K values, CUDA
+graphs on/off, overlap on/off and batch sizes runs on the same prompts; one engine per
+(speculation, K, graphs), reused across batch sizes and overlap settings."""
+import gzip
+import itertools
+import json
+import queue
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from speculative.config import EngineConfig, SamplingParams
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def load_prompts(path: str | None, num: int) -> list[str]:
+    """GSM8K test questions by default; else any JSONL with prompt, question or turns[0]."""
+    path = Path(path) if path else DATA / "gsm8k" / "test.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset {path} not found")
+    opener = gzip.open if path.suffix == ".gz" else open
+    prompts = []
+    with opener(path, "rt") as f:
+        for line in f:
+            row = json.loads(line)
+            prompts.append(row.get("prompt") or row.get("question") or row["turns"][0])
+            if len(prompts) == num:
+                break
+    return prompts
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    a = np.array(values) * 1000
+    return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
+
+
+def run_load(coordinator, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> dict:
+    """Keep `concurrency` requests in flight until all prompts are done; time every delta."""
+    sink: queue.Queue = queue.Queue()
+    before = coordinator.stats()
+    device_before = before["device_s"]
+    start = time.perf_counter()
+    submitted, done, tokens = 0, 0, 0
+    sent_at, first_at, last_at, itl = {}, {}, {}, []
+    while done < len(prompts):
+        while submitted < len(prompts) and submitted - done < concurrency:
+            rid = f"bench-{time.monotonic_ns()}-{submitted}"
+            coordinator.add(rid, prompts[submitted], params, sink)
+            sent_at[rid] = time.perf_counter()
+            submitted += 1
+        item = sink.get(timeout=600)
+        if item is None:
+            continue
+        if isinstance(item, Exception):
+            raise item
+        now = time.perf_counter()
+        n = len(item.new_token_ids)
+        if n:
+            if item.request_id not in first_at:
+                first_at[item.request_id] = now
+            else:
+                itl.append((now - last_at[item.request_id]) / n)
+            last_at[item.request_id] = now
+            tokens += n
+        if item.finish_reason is not None:
+            done += 1
+    wall = time.perf_counter() - start
+    after = coordinator.stats()
+    verify_rows = after["num_verify_rows"] - before["num_verify_rows"]
+    accepted = after["draft_accepted"] - before["draft_accepted"]
+    rows = after["num_rows"] - before["num_rows"]
+    return {
+        "num_requests": len(prompts), "output_tokens": tokens, "wall_s": wall,
+        "output_tokens_per_s": tokens / wall, "requests_per_s": len(prompts) / wall,
+        "mean_acceptance_length": 1 + accepted / verify_rows if verify_rows else 1.0,
+        "acceptance_per_position": [(a - b) / verify_rows if verify_rows else 0.0
+                                    for a, b in zip(after["accepted_at"], before["accepted_at"])],
+        "ttft_ms": _percentiles([first_at[r] - sent_at[r] for r in first_at]),
+        "itl_ms": _percentiles(itl),
+        "gpu_busy_fraction": (after["device_s"] - device_before) / wall if after["device_s"] else None,
+        "extra_pass_share": (after["num_extra_rows"] - before["num_extra_rows"]) / rows if rows else 0.0,
+        "coordinator_wait_fraction": (after["wait_s"] - before["wait_s"]) / wall,
+    }
+
+
+def bench(model: str, drafter: str, ks: list[int], modes: list[str], graphs: list[bool], overlaps: list[bool],
+          batches: list[int], prompts_text: list[str], output_len: int, ignore_eos: bool, device: str,
+          max_model_len: int, prompts_per_batch: int) -> list[dict]:
+    from speculative.coordinator import Coordinator
+    from speculative.engine import encode_prompt
+    from workers.loader import load_tokenizer, resolve_model
+    tokenizer = load_tokenizer(resolve_model(model))
+    prompts = [encode_prompt(tokenizer, p) for p in prompts_text]
+    params = SamplingParams(max_tokens=output_len, ignore_eos=ignore_eos)
+    engines = [(m, k, g) for m in modes for k in (ks if m == "eagle" else [0]) for g in graphs]
+    runs = []
+    bar = tqdm(total=sum(len(batches) * (len(overlaps) if m == "eagle" else 1) for m, _, _ in engines), desc="bench")
+    for mode, k, use_graphs in engines:
+        cfg = EngineConfig(model=model, drafter=drafter if mode == "eagle" else "none", num_draft_tokens=max(k, 1),
+                           max_batch_size=max(batches), max_model_len=max_model_len, device=device,
+                           cuda_graphs=use_graphs)
+        start = time.perf_counter()
+        coordinator = Coordinator(cfg)
+        startup_s = time.perf_counter() - start
+        try:
+            run_load(coordinator, prompts[:2], params, 2)  # warm-up
+            for batch, overlap in itertools.product(batches, overlaps if mode == "eagle" else [True]):
+                coordinator.engine.overlap = overlap
+                n = max(prompts_per_batch, 2 * batch)
+                result = run_load(coordinator, (prompts * (n // len(prompts) + 1))[:n], params, batch)
+                runs.append({"mode": mode, "k": k, "cuda_graphs": use_graphs, "overlap": overlap, "batch": batch,
+                             "startup_s": startup_s, **result})
+                bar.update()
+        finally:
+            coordinator.shutdown()
+    bar.close()
+    return runs
+
+
+def print_table(runs: list[dict]) -> None:
+    head = f"{'mode':6} {'K':>2} {'graphs':>6} {'ovl':>4} {'batch':>5} {'tok/s':>9} {'req/s':>7} {'acc len':>7} " \
+           f"{'ttft p50':>9} {'itl p50':>8} {'gpu busy':>8} {'extra':>6}"
+    print(head)
+    for r in runs:
+        busy = f"{r['gpu_busy_fraction']:.0%}" if r["gpu_busy_fraction"] is not None else "-"
+        print(f"{r['mode']:6} {r['k']:>2} {str(r['cuda_graphs']):>6} {str(r['overlap']):>4} {r['batch']:>5} "
+              f"{r['output_tokens_per_s']:>9.1f} {r['requests_per_s']:>7.2f} {r['mean_acceptance_length']:>7.2f} "
+              f"{r['ttft_ms']['p50'] or 0:>8.1f}m {r['itl_ms']['p50'] or 0:>7.2f}m {busy:>8} {r['extra_pass_share']:>6.1%}")
+
+
+def plot(runs: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    keys = sorted({(r["mode"], r["k"], r["cuda_graphs"], r["overlap"]) for r in runs})
+    for mode, k, g, o in keys:
+        pts = sorted((r["batch"], r["output_tokens_per_s"]) for r in runs
+                     if (r["mode"], r["k"], r["cuda_graphs"], r["overlap"]) == (mode, k, g, o))
+        label = f"{mode}{f' K={k}' if k else ''}{' graphs' if g else ''}{' overlap' if o and mode == 'eagle' else ''}"
+        ax.plot(*zip(*pts), marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size (concurrent requests)")
+    ax.set_ylabel("output tokens/s")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
