@@ -62,8 +62,9 @@ class StepStats:
 
 class Scheduler:
     def __init__(self, num_slots: int, max_model_len: int, max_num_batched_tokens: int, k: int,
-                 eos_token_ids: set[int], tokenizer=None, seed: int = 0):
+                 eos_token_ids: set[int], tokenizer=None, seed: int = 0, vocab_size: int | None = None):
         self.num_slots, self.max_model_len, self.k = num_slots, max_model_len, k
+        self.vocab_size = vocab_size  # prompt ids are checked against it (a bad id would fail the whole step)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer
@@ -85,6 +86,9 @@ class Scheduler:
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                f"the maximum sequence length of {self.max_model_len} tokens")
+        if self.vocab_size is not None and not all(0 <= t < self.vocab_size for t in prompt_ids):
+            bad = next(t for t in prompt_ids if not 0 <= t < self.vocab_size)
+            raise RequestError(f"prompt token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer and this model directory has none")
         if len(prompt_ids) > self.max_num_batched_tokens:
@@ -203,23 +207,31 @@ class Scheduler:
                 break
             r.output_ids.append(token)
             new.append(token)
-        delta = ""
-        if self.tokenizer is not None and new:
-            delta = self._detokenize(r)
-        if not r.is_finished and len(r.output_ids) >= r.params.max_tokens:
-            self._finish(r, "length")
-        return RequestOutput(r.request_id, new, delta, r.finish_reason, r.acceptance_length)
-
-    def _detokenize(self, r: Request) -> str:
-        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):   # a multi-byte character not complete yet: hold it back
-            return ""
-        for stop in r.params.stop:
-            at = text.find(stop, max(0, len(r.text) - len(stop)))
-            if at >= 0:
-                text = text[:at]
+            # token by token, so the output ends where plain decoding (one token a step) ends it
+            if r.params.stop and self._find_stop(r, self._decode(r)) is not None:
                 self._finish(r, "stop")
                 break
+        if not r.is_finished and len(r.output_ids) >= r.params.max_tokens:
+            self._finish(r, "length")
+        delta = self._detokenize(r) if self.tokenizer is not None and new else ""
+        return RequestOutput(r.request_id, new, delta, r.finish_reason, r.acceptance_length)
+
+    def _decode(self, r: Request) -> str:
+        return self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+
+    @staticmethod
+    def _find_stop(r: Request, text: str) -> int | None:
+        """Where the earliest stop string starts in the text, if any does."""
+        hits = [at for at in (text.find(stop) for stop in r.params.stop) if at >= 0]
+        return min(hits) if hits else None
+
+    def _detokenize(self, r: Request) -> str:
+        text = self._decode(r)
+        at = self._find_stop(r, text)
+        if at is not None:
+            text = text[:at]
+        elif text.endswith("\ufffd") and not r.is_finished:  # a multi-byte character not complete yet
+            return ""
         delta, r.text = text[len(r.text):], text
         return delta
 
