@@ -1,0 +1,72 @@
+"""`eagleserve generate` end to end, in a subprocess, on the real SmolLM2."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import bench_questions
+
+ENV = os.environ | {"OMP_NUM_THREADS": os.environ.get("EAGLESERVE_TEST_THREADS", "1")}
+
+
+def eagleserve(*args, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deployments.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=ENV)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "in.jsonl"
+    rows = [{"id": f"q{i}", "prompt": q} for i, q in enumerate(bench_questions(4))]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def outputs(prompts_file):
+    """Default drafter (speculative) and --drafter none, same prompts, greedy."""
+    out = {}
+    for drafter in ("default", "none"):
+        path = prompts_file.with_name(f"out-{drafter}.jsonl")
+        proc = eagleserve("generate", prompts_file, "-o", path, "--drafter", drafter, "--max-tokens", 12,
+                          "--max-model-len", 512)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "wrote 4 rows" in proc.stderr
+        out[drafter] = [json.loads(line) for line in path.read_text().splitlines()]
+    return out
+
+
+def test_generate_writes_rows(outputs):
+    rows = outputs["default"]
+    assert [r["id"] for r in rows] == ["q0", "q1", "q2", "q3"]
+    for r in rows:
+        assert {"id", "text", "token_ids", "num_tokens", "acceptance_length"} <= r.keys()
+        assert r["num_tokens"] == len(r["token_ids"]) and 0 < r["num_tokens"] <= 12
+        assert r["text"].strip() and r["acceptance_length"] >= 1.0
+
+
+def test_drafter_none_is_plain_and_identical(outputs):
+    assert all(r["acceptance_length"] == 1.0 for r in outputs["none"])
+    assert [r["token_ids"] for r in outputs["none"]] == [r["token_ids"] for r in outputs["default"]]
+    assert [r["text"] for r in outputs["none"]] == [r["text"] for r in outputs["default"]]
+
+
+@pytest.mark.parametrize("case, content, args, message", [
+    ("missing", None, [], r"input file .*missing\.jsonl does not exist"),
+    ("malformed", '{"prompt": "hi"}\n{"prompt": "oops"\n', [], r"malformed\.jsonl:2: not valid JSON"),
+    ("no-prompt", '{"id": 1, "text": "hi"}\n', [], r"no-prompt\.jsonl:1: each row needs a string field 'prompt'"),
+    ("temperature", '{"prompt": "hi"}\n', ["--temperature", 5], r"temperature: .*less than or equal to 2"),
+    ("top-p", '{"prompt": "hi"}\n', ["--top-p", 0], r"top_p: .*greater than 0"),
+])
+def test_bad_input_exits_with_a_message(tmp_path, case, content, args, message):
+    path = tmp_path / f"{case}.jsonl"
+    if content is not None:
+        path.write_text(content)
+    proc = eagleserve("generate", path, "-o", tmp_path / "out.jsonl", *args, timeout=120)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    import re
+    assert re.search(message, proc.stderr), proc.stderr[-1000:]
+    assert not (tmp_path / "out.jsonl").exists()

@@ -1,0 +1,143 @@
+"""The EAGLE-3 drafter checkpoint format: our save/load round trip, a checkpoint laid out exactly as
+the EAGLE authors publish it (run in the engine against a tiny target), and refusal of pickles."""
+import json
+import pickle
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import run_to_completion, tiny_engine, tiny_prompts
+from speculative.config import SamplingParams
+from speculative.drafter import (DrafterConfig, drafter_config_for, drafter_state_dict, load_drafter,
+                                 random_drafter_state, save_drafter)
+from workers.attention import ForwardBatch, allocate_kv_cache
+from workers.llama import LlamaConfig
+from workers.loader import load_config
+
+
+def drafter_outputs(drafter, seed=0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pre-norm output and proposals of a first draft forward over 5 tokens (fresh KV cache)."""
+    cfg = drafter.cfg
+    cache = allocate_kv_cache(1, 1, 16, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
+    drafter.midlayer.self_attn.cache = cache[0]
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (1, 5), generator=g)
+    features = torch.randn(1, 5, drafter.fc.weight.shape[1], generator=g)
+    positions = torch.arange(5).unsqueeze(0)
+    batch = ForwardBatch(torch.tensor([0]), positions, torch.zeros(1, 5, dtype=torch.long), positions, 5)
+    h = drafter(ids, features, batch, from_features=True)
+    return h, drafter.propose(h)
+
+
+@pytest.mark.parametrize("with_embeddings", [False, True])
+def test_save_load_round_trip(tmp_path, tiny_dir, with_embeddings):
+    target_cfg = LlamaConfig.from_hf(load_config(tiny_dir))
+    cfg = drafter_config_for(target_cfg, draft_vocab_size=40, aux_layer_ids=(1, 2, 3))
+    state = random_drafter_state(cfg, seed=3, with_embeddings=with_embeddings)
+    state["d2t"] = torch.randint(0, 24, (40,))      # a non-trivial vocabulary map
+    save_drafter(tmp_path / "a", cfg, state)
+    embeddings = None
+    if not with_embeddings:
+        from workers.layers import VocabParallelEmbedding
+        embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        embeddings.weight.data.normal_()
+    first = load_drafter(tmp_path / "a", target_embeddings=embeddings)
+    assert DrafterConfig.from_hf(json.loads((tmp_path / "a" / "config.json").read_text())) == cfg
+    loaded = drafter_state_dict(first)
+    assert loaded.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(loaded[name], tensor), name
+    save_drafter(tmp_path / "b", first.cfg, loaded)
+    second = load_drafter(tmp_path / "b", target_embeddings=embeddings)
+    for a, b in zip(drafter_outputs(first), drafter_outputs(second)):
+        assert torch.equal(a, b)
+
+
+# ---- the EAGLE authors' layout ----
+
+def write_authors_checkpoint(path, target_cfg: LlamaConfig, draft_vocab_size: int, seed: int = 0):
+    """config.json shaped like yuhuili/EAGLE3-LLaMA3.1-Instruct-8B (scaled down): no
+    target_hidden_size, no head_dim, no aux layer ids, draft_vocab_size; tensors named midlayer.*,
+    fc, norm, lm_head, d2t, t2d; no embed_tokens (shared with the target)."""
+    H, I, V = target_cfg.hidden_size, target_cfg.intermediate_size, target_cfg.vocab_size
+    heads, kv = target_cfg.num_attention_heads, target_cfg.num_key_value_heads
+    D = H // heads
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "bos_token_id": 0, "eos_token_id": 1, "hidden_act": "silu",
+        "hidden_size": H, "initializer_range": 0.02, "intermediate_size": I, "max_position_embeddings": 2048,
+        "model_type": "llama", "num_attention_heads": heads, "num_key_value_heads": kv, "num_hidden_layers": 1,
+        "pad_token_id": 0, "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "torch_dtype": "float16",
+        "transformers_version": "4.28.1", "use_cache": True, "vocab_size": V, "draft_vocab_size": draft_vocab_size,
+    }
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * 0.3).half()
+
+    # the draft vocabulary: a sorted subset of target ids; d2t[i] = target id - i, t2d marks members
+    vocab = torch.randperm(V, generator=g)[:draft_vocab_size].sort().values
+    tensors = {
+        "midlayer.self_attn.q_proj.weight": w(heads * D, 2 * H), "midlayer.self_attn.k_proj.weight": w(kv * D, 2 * H),
+        "midlayer.self_attn.v_proj.weight": w(kv * D, 2 * H), "midlayer.self_attn.o_proj.weight": w(H, heads * D),
+        "midlayer.mlp.gate_proj.weight": w(I, H), "midlayer.mlp.up_proj.weight": w(I, H),
+        "midlayer.mlp.down_proj.weight": w(H, I),
+        "midlayer.input_layernorm.weight": torch.ones(H).half(), "midlayer.hidden_norm.weight": torch.ones(H).half(),
+        "midlayer.post_attention_layernorm.weight": torch.ones(H).half(),
+        "fc.weight": w(H, 3 * H), "norm.weight": torch.ones(H).half(), "lm_head.weight": w(draft_vocab_size, H),
+        "d2t": vocab - torch.arange(draft_vocab_size), "t2d": torch.zeros(V, dtype=torch.bool).index_fill(0, vocab, True),
+    }
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(path / "model.safetensors"))
+    return vocab
+
+
+def test_authors_checkpoint_runs_in_engine(tmp_path, tiny_dir):
+    target_cfg = LlamaConfig.from_hf(load_config(tiny_dir))
+    vocab = write_authors_checkpoint(tmp_path / "eagle3", target_cfg, draft_vocab_size=24)
+    prompts = tiny_prompts(4, seed=9)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = run_to_completion(tiny_engine(tiny_dir), prompts, params)
+    engine = tiny_engine(tiny_dir, tmp_path / "eagle3", k=3, overlap=False)
+    drafter = engine.executor.drafter
+    assert drafter.cfg.target_hidden_size == target_cfg.hidden_size and drafter.cfg.draft_vocab_size == 24
+    assert not drafter.has_own_embeddings and drafter.embed_tokens is engine.executor.target.embed_tokens
+    proposed = set()
+    requests = []
+    for prompt in prompts:
+        requests.append(engine.add_request(prompt, params))
+    while engine.has_work:
+        engine.step()
+        proposed |= set(engine.executor.drafts[:-1].flatten().tolist())
+    assert [r.output_ids for r in requests] == [r.output_ids for r in plain]
+    # drafts are target ids reached through d2t: members of the draft vocabulary, beyond its first 24 ids
+    assert proposed <= set(vocab.tolist()) | {0}
+    assert max(proposed) >= 24
+
+
+def test_pickled_checkpoints_are_refused_unopened(tmp_path):
+    """A directory with only pytorch_model.bin is refused with a clear error; the pickle is never
+    loaded (it would create a marker file if it were)."""
+    marker = tmp_path / "unpickled"
+
+    class Exploit:
+        def __reduce__(self):
+            return (marker.mkdir, ())
+
+    for kind in ("drafter", "target"):
+        d = tmp_path / kind
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"num_hidden_layers": 1, "hidden_size": 8, "intermediate_size": 8,
+                                                   "num_attention_heads": 2, "vocab_size": 16}))
+        (d / "pytorch_model.bin").write_bytes(pickle.dumps(Exploit()))
+    with pytest.raises(FileNotFoundError, match=r"no safetensors weights .*pytorch_model\.bin.*pickled"):
+        load_drafter(tmp_path / "drafter")
+    from workers.llama import Llama
+    from workers.loader import load_target_weights
+    cfg = LlamaConfig.from_hf(load_config(tmp_path / "target"))
+    with pytest.raises(FileNotFoundError, match=r"pickled checkpoints are not loaded"):
+        load_target_weights(Llama(cfg, aux_layer_ids=()), tmp_path / "target")
+    assert not marker.exists()
+    pickle.loads((tmp_path / "target" / "pytorch_model.bin").read_bytes())   # the marker works
+    assert marker.exists()

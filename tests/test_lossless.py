@@ -1,0 +1,287 @@
+"""Speculative decoding is lossless: greedy output equals plain greedy output token for token, and
+sampled output has the target's distribution (checked against the exact distribution computed
+from the target's logits, with deliberately wrong acceptance rules shown to fail the same check)."""
+import random
+
+import pytest
+import torch
+from scipy.stats import chi2
+
+from conftest import run_to_completion, tiny_engine, tiny_prompts, write_random_drafter, write_tiny_llama
+from speculative.config import SamplingParams
+from speculative.plan import PrefillRow, StepPlan
+from workers.model_runner import ModelRunner
+
+GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+JOINS = [0, 0, 1, 3, 4, 9, 15]   # engine steps before each request is added: they join mid-flight
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return tiny_prompts(len(JOINS), seed=3)
+
+
+@pytest.fixture(scope="module")
+def plain_ref(tiny_dir, prompts):
+    engine = tiny_engine(tiny_dir)
+    return [r.output_ids for r in run_to_completion(engine, prompts, GREEDY)]
+
+
+# ---- greedy, tiny target ----
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_random_drafter_batch1(tiny_dir, tiny_drafter_dir, prompts, plain_ref, k):
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=k)
+    for prompt, ref in zip(prompts[:3], plain_ref[:3]):
+        (r,) = run_to_completion(engine, [prompt], GREEDY)
+        assert r.output_ids == ref
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_random_drafter_joining_batch(tiny_dir, tiny_drafter_dir, prompts, plain_ref, k):
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=k, max_batch_size=4)
+    requests = run_to_completion(engine, prompts, GREEDY, JOINS)
+    assert [r.output_ids for r in requests] == plain_ref
+
+
+def fresh_drafts(runner: ModelRunner, context: list[int], step_id: int) -> torch.Tensor:
+    """The drafts a freshly started runner proposes after prefilling `context[:-1]` (whose greedy
+    token must be context[-1]): what the incremental drafter KV cache must reproduce."""
+    plan = StepPlan(step_id, prefills=[PrefillRow(0, context[:-1], 0, 0.0, 1.0, 0)],
+                    free_slots=[0] if step_id else [], kv_len=len(context) + runner.K + 1)
+    result = runner.execute(plan).result()
+    assert result.tokens[0, 0] == context[-1]
+    return runner.drafts[0, :runner.K].clone()
+
+
+def run_with_oracle(engine, prompts, refs, joins, corrupt_p, seed=0, check_against=None):
+    """Non-overlapped steps; after each, the drafts of every running request are overwritten with its
+    known plain continuation, some positions corrupted, so drafts are accepted and rejected at every
+    depth. With `check_against` (a fresh runner) the drafter's own proposals, read before they are
+    overwritten, must equal what a fresh prefill of the same context proposes."""
+    runner, K, V = engine.executor, engine.executor.K, engine.executor.target_cfg.vocab_size
+    rng = random.Random(seed)
+    index, requests, pending, steps, checks = {}, {}, list(range(len(prompts))), 0, 0
+    while pending or engine.has_work:
+        while pending and joins[pending[0]] <= steps:
+            i = pending.pop(0)
+            requests[i] = engine.add_request(prompts[i], GREEDY)
+            index[requests[i].request_id] = i
+        engine.step()
+        steps += 1
+        for r in list(engine.scheduler.running.values()):
+            if r.is_finished or r.slot is None:
+                continue
+            i, n = index[r.request_id], len(r.output_ids)
+            if check_against is not None:
+                expected = fresh_drafts(check_against, prompts[i] + r.output_ids, checks)
+                assert torch.equal(runner.drafts[r.slot, :K], expected), f"request {i} after {n} tokens"
+                checks += 1
+            drafts = (refs[i][n:n + K] + [0] * K)[:K]
+            drafts = [(d + 1 + rng.randrange(V - 1)) % V if rng.random() < corrupt_p else d for d in drafts]
+            runner.drafts[r.slot, :K] = torch.tensor(drafts)
+    assert check_against is None or checks > 20
+    return [requests[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_accepting_drafts_joining_batch(tiny_dir, tiny_drafter_dir, prompts, plain_ref, k):
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=k, max_batch_size=4, overlap=False)
+    requests = run_with_oracle(engine, prompts, plain_ref, JOINS, corrupt_p=0.2)
+    assert [r.output_ids for r in requests] == plain_ref
+    stats = engine.scheduler.stats
+    assert stats.num_draft_accepted > 0.5 * stats.num_draft_proposed   # the accept path really ran
+    assert stats.accepted_at[-1] > 0                                   # ... down to the last draft
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_drafter_kv_cache_matches_fresh_prefill(tiny_dir, tiny_drafter_dir, prompts, plain_ref, k):
+    """After any mix of accepted and rejected drafts, the drafter's KV cache holds what a fresh
+    prefill of the accepted tokens would: its next proposals are identical."""
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=k, max_batch_size=4, overlap=False)
+    fresh = ModelRunner(engine.cfg)
+    requests = run_with_oracle(engine, prompts[:4], plain_ref[:4], JOINS[:4], corrupt_p=0.3,
+                               check_against=fresh)
+    assert [r.output_ids for r in requests] == plain_ref[:4]
+
+
+# ---- greedy, real SmolLM2 ----
+
+@pytest.mark.parametrize("k, num_prompts, max_tokens", [(1, 1, 40), (3, 6, 64), (5, 1, 40)])
+def test_greedy_smollm2(smollm2_prompts, smollm2_greedy_64, smollm2_near_tie, k, num_prompts, max_tokens):
+    from conftest import _smollm2
+    engine = _smollm2("default", num_draft_tokens=k, max_batch_size=4)
+    prompts = smollm2_prompts[:num_prompts]
+    params = SamplingParams(max_tokens=max_tokens)
+    joins = [0, 0, 2, 5, 9, 14][:num_prompts]
+    requests = run_to_completion(engine, prompts, params, joins)
+    for prompt, r, ref in zip(prompts, requests, smollm2_greedy_64):
+        smollm2_near_tie(prompt, r.output_ids, ref[:max_tokens])
+
+
+def test_greedy_smollm2_trained_drafter(smollm2_prompts, smollm2_greedy_64, smollm2_near_tie):
+    from speculative.drafter import DEFAULT_DRAFTERS
+    trained = DEFAULT_DRAFTERS["smollm2-135m"]
+    if not (trained / "config.json").is_file():
+        pytest.skip("no trained drafter at speculative/drafters/smollm2-135m yet")
+    from conftest import _smollm2
+    engine = _smollm2("default", num_draft_tokens=3, max_batch_size=8)
+    requests = run_to_completion(engine, smollm2_prompts[:8], SamplingParams(max_tokens=64), [0, 0, 0, 1, 2, 4, 8, 12])
+    for prompt, r, ref in zip(smollm2_prompts, requests, smollm2_greedy_64):
+        smollm2_near_tie(prompt, r.output_ids, ref)
+    assert engine.scheduler.stats.num_draft_accepted > 0
+
+
+# ---- sampling: the distribution of the first three tokens ----
+
+V16, PROMPT, NUM_SAMPLES = 16, [3, 1, 4, 1, 5, 9, 2, 6], 6000
+
+
+@pytest.fixture(scope="module")
+def v16_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("v16")
+    target = write_tiny_llama(root / "target", vocab_size=V16, hidden_size=32, intermediate_size=64,
+                              num_layers=3, num_heads=2, num_kv_heads=1, seed=5, std=0.15)
+    return target, write_random_drafter(root / "drafter", target, seed=6)
+
+
+def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Written independently of speculative.verify: temperature, then top-k, then top-p on the
+    renormalised top-k (the smallest set of most likely tokens whose mass reaches top_p)."""
+    probs = torch.softmax(logits.double() / temperature, -1)
+    out = torch.zeros_like(probs)
+    for row in range(probs.shape[0]):
+        ranked = probs[row].argsort(descending=True).tolist()[:top_k if top_k > 0 else None]
+        mass, total = 0.0, probs[row, ranked].sum().item()
+        for token in ranked:
+            if mass >= top_p:
+                break
+            out[row, token] = probs[row, token]
+            mass += probs[row, token].item() / total
+    return out / out.sum(-1, keepdim=True)
+
+
+def exact_joint(model_dir, temperature, top_k, top_p):
+    """P(t1, t2, t3) [V, V, V] and the conditionals, from a Hugging Face forward of every prefix."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+    def next_probs(prefixes):
+        ids = torch.tensor([PROMPT + p for p in prefixes])
+        with torch.no_grad():
+            return reference_probs(hf(ids).logits[:, -1], temperature, top_k, top_p)
+
+    p1 = next_probs([[]])[0]                                                        # [V]
+    p2 = next_probs([[a] for a in range(V16)])                                      # [V, V]
+    p3 = next_probs([[a, b] for a in range(V16) for b in range(V16)]).view(V16, V16, V16)
+    return p1[:, None, None] * p2[:, :, None] * p3, (p2, p3)
+
+
+def oracle_drafts(conditionals, history: list[int], k: int) -> list[int]:
+    """Drafts that depend only on the history: the most likely next tokens under the exact tables
+    (so they have large p and get accepted often); beyond the third token anything will do."""
+    p2, p3 = conditionals
+    drafts, h = [], list(history)
+    for _ in range(k):
+        if len(h) == 1:
+            d = int(p2[h[0]].argmax())
+        elif len(h) == 2:
+            d = int(p3[h[0], h[1]].argmax())
+        else:
+            d = 0
+        drafts.append(d)
+        h.append(d)
+    return drafts
+
+
+def sample_first_three(engine, params: SamplingParams, conditionals=None) -> torch.Tensor:
+    """NUM_SAMPLES requests of the same prompt with seeds 0.. -> counts of (t1, t2, t3) [V, V, V]."""
+    runner, K = engine.executor, engine.executor.K
+    requests = [engine.add_request(PROMPT, params.model_copy(update={"seed": s})) for s in range(NUM_SAMPLES)]
+    while engine.has_work:
+        engine.step()
+        if conditionals is not None:
+            live = [r for r in engine.scheduler.running.values() if not r.is_finished and r.slot is not None]
+            if live:
+                slots = torch.tensor([r.slot for r in live])
+                runner.drafts[slots, :K] = torch.tensor([oracle_drafts(conditionals, r.output_ids, K) for r in live])
+    counts = torch.zeros(V16, V16, V16)
+    for r in requests:
+        assert len(r.output_ids) == 3
+        counts[tuple(r.output_ids)] += 1
+    return counts
+
+
+def chi2_pvalue(counts: torch.Tensor, joint: torch.Tensor) -> float:
+    """Pearson chi-square of the observed (t1, t2, t3) counts against the exact joint; cells with
+    expected count below 5 are pooled into one."""
+    expected = (joint * counts.sum()).flatten().double()
+    observed = counts.flatten().double()
+    if observed[expected == 0].sum() > 0:
+        return 0.0                        # an impossible outcome was produced
+    big = expected >= 5
+    e = torch.cat([expected[big], expected[~big].sum().view(1)])
+    o = torch.cat([observed[big], observed[~big].sum().view(1)])
+    if e[-1] == 0:
+        e, o = e[:-1], o[:-1]
+    stat = ((o - e) ** 2 / e).sum().item()
+    return float(chi2.sf(stat, df=len(e) - 1))
+
+
+SAMPLING = {"t1": SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
+            "t0.7-topk5-topp0.9": SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=3, ignore_eos=True)}
+
+
+def _engine(dirs, drafter: bool, k: int):
+    target, drafter_dir = dirs
+    return tiny_engine(target, drafter_dir if drafter else "none", k=k, max_batch_size=500,
+                       max_model_len=32, max_num_batched_tokens=4096, overlap=False)
+
+
+@pytest.mark.parametrize("params_name, drafts, k", [
+    ("t1", "none", 0), ("t1", "random", 3), ("t1", "oracle", 1), ("t1", "oracle", 3),
+    ("t0.7-topk5-topp0.9", "oracle", 3)])
+def test_sampled_distribution_matches_target(v16_dirs, params_name, drafts, k):
+    params = SAMPLING[params_name]
+    joint, conditionals = exact_joint(v16_dirs[0], params.temperature, params.top_k, params.top_p)
+    engine = _engine(v16_dirs, drafts != "none", max(k, 1))
+    counts = sample_first_three(engine, params, conditionals if drafts == "oracle" else None)
+    p_value = chi2_pvalue(counts, joint)
+    print(f"chi-square p-value {p_value:.3g}")
+    assert p_value > 1e-3
+    if drafts == "oracle":
+        stats = engine.scheduler.stats
+        assert stats.accepted_at[0] > 0.3 * stats.num_verify_rows  # drafts carry real probability mass
+
+
+def accept_always(probs, drafts, u_accept, u_sample):
+    """WRONG: every draft accepted, the bonus drawn from p after the last draft."""
+    B, K = drafts.shape
+    from speculative.verify import sample
+    bonus = sample(probs[:, K], u_sample[:, K])
+    return torch.cat([drafts, bonus.unsqueeze(1)], 1), torch.full((B,), K + 1, dtype=torch.long)
+
+
+def resample_without_removal(probs, drafts, u_accept, u_sample):
+    """WRONG: accept with probability p(x) but, on rejection, redraw from p itself (x not removed)."""
+    from speculative.verify import sample
+    B, K = drafts.shape
+    p_draft = probs[:, :K].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    accepted = (u_accept < p_draft).int().cumprod(-1).sum(-1)
+    rows = torch.arange(B)
+    bonus = sample(probs[rows, accepted], u_sample[rows, accepted])
+    padded = torch.cat([drafts, bonus.unsqueeze(1)], dim=1)
+    tokens = torch.where(torch.arange(K + 1) < accepted.unsqueeze(1), padded, bonus.unsqueeze(1))
+    return tokens, accepted + 1
+
+
+@pytest.mark.parametrize("wrong_rule", [accept_always, resample_without_removal])
+def test_wrong_acceptance_rule_is_caught(v16_dirs, monkeypatch, wrong_rule):
+    import workers.model_runner
+    monkeypatch.setattr(workers.model_runner, "verify_sampled", wrong_rule)
+    params = SAMPLING["t1"]
+    joint, conditionals = exact_joint(v16_dirs[0], params.temperature, params.top_k, params.top_p)
+    counts = sample_first_three(_engine(v16_dirs, True, 3), params, conditionals)
+    p_value = chi2_pvalue(counts, joint)
+    print(f"chi-square p-value {p_value:.3g}")
+    assert p_value < 1e-6

@@ -1,0 +1,117 @@
+"""Verification and sampling primitives, and the no-host-sync guarantee of a step."""
+import pytest
+import torch
+
+import workers.model_runner
+from conftest import run_to_completion, tiny_engine, tiny_prompts
+from speculative.config import SamplingParams
+from speculative.verify import (ACCEPT_STREAM, SAMPLE_STREAM, sample, target_probs, uniform, verify_greedy,
+                                verify_sampled)
+from workers.sync_guard import HostSyncError, no_host_sync
+
+
+def test_verify_greedy_accepts_longest_matching_prefix():
+    target = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]])
+    drafts = torch.tensor([[5, 6, 7], [5, 0, 7], [0, 6, 7], [5, 6, 0]])
+    tokens, emitted = verify_greedy(target, drafts)
+    assert emitted.tolist() == [4, 2, 1, 3]
+    assert [tokens[i, :n].tolist() for i, n in enumerate(emitted.tolist())] == \
+        [[5, 6, 7, 8], [5, 6], [5], [5, 6, 7]]
+
+
+def test_verify_sampled_on_one_hot_is_greedy():
+    """Greedy rows in a sampled batch are one-hot distributions: the sampled rule must give exactly
+    the greedy result, for any uniforms."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 4, 10, generator=g)
+    drafts = torch.where(torch.rand(64, 3, generator=g) < 0.6, logits[:, :3].argmax(-1),
+                         torch.randint(0, 10, (64, 3), generator=g))
+    probs = target_probs(logits, torch.zeros(64), None, None)
+    tokens, emitted = verify_sampled(probs, drafts, torch.rand(64, 3, generator=g), torch.rand(64, 4, generator=g))
+    g_tokens, g_emitted = verify_greedy(logits.argmax(-1), drafts)
+    assert torch.equal(emitted, g_emitted)
+    for i, n in enumerate(emitted.tolist()):
+        assert tokens[i, :n].tolist() == g_tokens[i, :n].tolist()
+
+
+def test_uniform_is_a_counter_based_stream():
+    seeds = torch.tensor([0, 1, 2**62 + 5])
+    positions = torch.arange(2000).expand(3, -1)
+    u = uniform(seeds, positions, SAMPLE_STREAM)
+    assert u.min() >= 0 and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.02
+    assert torch.equal(u, uniform(seeds, positions, SAMPLE_STREAM))             # reproducible
+    assert torch.equal(u[1:2], uniform(seeds[1:2], positions[:1], SAMPLE_STREAM))  # batch independent
+    assert not torch.equal(u, uniform(seeds, positions, ACCEPT_STREAM))
+    assert (u[0] != u[1]).float().mean() > 0.99
+
+
+def test_sample_inverse_cdf():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75]]).expand(1000, -1)
+    u = torch.arange(1000) / 1000
+    ids = sample(probs * 3, u)        # unnormalised is fine
+    assert set(ids.tolist()) == {1, 3} and (ids == 1).sum().item() == 250
+
+
+@pytest.mark.parametrize("tokens_per_row", [1, 4])
+def test_top_k_top_p(tokens_per_row):
+    """Top-k, then top-p over the renormalised survivors, per row, for T > 1 as in verification."""
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1])).expand(3, tokens_per_row, 4)
+    probs = target_probs(logits, torch.ones(3), torch.tensor([0, 3, 2]), torch.tensor([0.65, 1.0, 0.55]))
+    expected = torch.tensor([[0.4 / 0.7, 0.3 / 0.7, 0, 0],     # top-p 0.65: {0.4, 0.3}
+                             [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0],  # top-k 3
+                             [1.0, 0, 0, 0]])                 # top-k 2 -> (4/7, 3/7); top-p 0.55 keeps one
+    torch.testing.assert_close(probs, expected.unsqueeze(1).expand(3, tokens_per_row, 4))
+
+
+# ---- no host sync inside a step ----
+
+def test_guard_catches_host_syncs():
+    x = torch.ones(3)
+    for sync in (lambda: x.sum().item(), lambda: x.tolist(), lambda: x.cpu(), lambda: x.numpy(),
+                 lambda: bool(x[0]), lambda: int(x[0]), lambda: float(x[0])):
+        with pytest.raises(HostSyncError), no_host_sync():
+            sync()
+    with no_host_sync(enabled=False):
+        assert x.sum().item() == 3
+    assert x.tolist() == [1.0, 1.0, 1.0]   # the guard restores the methods
+
+
+CASES = {"greedy": SamplingParams(max_tokens=12, ignore_eos=True),
+         "sampled": SamplingParams(temperature=0.9, seed=1, max_tokens=12, ignore_eos=True),
+         "top-k-top-p": SamplingParams(temperature=0.7, top_k=8, top_p=0.9, seed=2, max_tokens=12, ignore_eos=True)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("speculative", [False, True])
+def test_steps_run_without_host_sync(tiny_dir, tiny_drafter_dir, case, speculative):
+    """Prefill, verification and the draft chain, in batches that mix request kinds, with every
+    host-sync method refused: the run completes and equals the unguarded run."""
+    drafter = tiny_drafter_dir if speculative else "none"
+    prompts = tiny_prompts(5, seed=6)
+    params = [CASES[case], CASES["greedy"], CASES[case], CASES[case], CASES["greedy"]]
+    joins = [0, 0, 1, 3, 4]
+    guarded = tiny_engine(tiny_dir, drafter, k=3, max_batch_size=4)
+    guarded.executor.check_host_sync = True
+    out = run_to_completion(guarded, prompts, params, joins)
+    ref = run_to_completion(tiny_engine(tiny_dir, drafter, k=3, max_batch_size=4), prompts, params, joins)
+    assert [r.output_ids for r in out] == [r.output_ids for r in ref]
+    assert all(len(r.output_ids) == 12 for r in out)
+
+
+@pytest.mark.parametrize("function, params", [
+    ("verify_greedy", CASES["greedy"]), ("verify_sampled", CASES["sampled"]), ("sample", CASES["sampled"])])
+def test_guard_catches_a_sync_inside_a_step(tiny_dir, tiny_drafter_dir, monkeypatch, function, params):
+    """A `.item()` slipped into the step (here into verification or sampling) fails the step loudly
+    when the guard is on, and goes unnoticed when it is off."""
+    original = getattr(workers.model_runner, function)
+
+    def syncing(*args, **kwargs):
+        args[0].sum().item()
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(workers.model_runner, function, syncing)
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=2)
+    run_to_completion(engine, tiny_prompts(2), params)         # unguarded: the sync goes unnoticed
+    engine.executor.check_host_sync = True
+    with pytest.raises(HostSyncError, match=r"Tensor.item\(\)"):
+        run_to_completion(engine, tiny_prompts(2), params)
