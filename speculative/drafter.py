@@ -242,9 +242,12 @@ def resolve_drafter(name: str, model: str, target_cfg) -> Path:
     trained = DEFAULT_DRAFTERS.get(model)
     if trained is not None and (trained / "config.json").is_file():
         return trained
+    import hashlib
     from workers.loader import cache_root
-    path = cache_root() / f"random-drafter-{Path(model).name}"
+    cfg = drafter_config_for(target_cfg)
+    # keyed by shape too: two models whose directories share a name must not share a drafter
+    shape = hashlib.sha1(json.dumps(cfg.to_hf(), sort_keys=True).encode()).hexdigest()[:10]
+    path = cache_root() / f"random-drafter-{Path(model).name}-{shape}"
     if not (path / "config.json").is_file():
-        cfg = drafter_config_for(target_cfg)
         save_drafter(path, cfg, random_drafter_state(cfg))
     return path

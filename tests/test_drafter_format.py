@@ -141,3 +141,15 @@ def test_pickled_checkpoints_are_refused_unopened(tmp_path):
     assert not marker.exists()
     pickle.loads((tmp_path / "target" / "pytorch_model.bin").read_bytes())   # the marker works
     assert marker.exists()
+
+
+def test_random_default_drafters_do_not_collide(tmp_path, monkeypatch):
+    """Two different targets in directories of the same name each get a default drafter of their shape."""
+    monkeypatch.setenv("EAGLESERVE_CACHE", str(tmp_path / "cache"))
+    from conftest import write_tiny_llama
+    a = write_tiny_llama(tmp_path / "a" / "model", hidden_size=64)
+    b = write_tiny_llama(tmp_path / "b" / "model", hidden_size=32, intermediate_size=64)
+    for d in (a, b, a):
+        engine = tiny_engine(d, "default", k=2)
+        assert engine.executor.drafter.cfg.hidden_size == LlamaConfig.from_hf(load_config(d)).hidden_size
+        run_to_completion(engine, tiny_prompts(1), SamplingParams(max_tokens=4, ignore_eos=True))
