@@ -34,9 +34,27 @@ def smollm2_gguf_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
 
 
+RANDOM_SHAPES = {  # `random:<name>`: shapes for speed measurements, weights drawn at start
+    "llama-3.1-8b": {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+                     "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False},
+    "smollm2-135m": {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                     "num_attention_heads": 9, "num_key_value_heads": 3, "rms_norm_eps": 1e-5,
+                     "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True},
+}
+
+
 def resolve_model(name_or_path: str) -> Path:
     """A model name or path -> a Hugging Face style directory (config.json + safetensors + tokenizer).
     GGUF files are converted once into a safetensors directory under the cache."""
+    if name_or_path.startswith("random:"):
+        shape = name_or_path.removeprefix("random:")
+        if shape not in RANDOM_SHAPES:
+            raise FileNotFoundError(f"unknown random shape {shape!r}; known: {sorted(RANDOM_SHAPES)}")
+        out = cache_root() / f"random-{shape}"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(RANDOM_SHAPES[shape]))
+        return out
     if name_or_path == DEFAULT_MODEL:
         return convert_gguf_cached(smollm2_gguf_path(), DEFAULT_MODEL)
     path = Path(name_or_path)

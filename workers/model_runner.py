@@ -67,6 +67,14 @@ class DraftSeed:
     first_draft: torch.Tensor  # [B]
 
 
+def init_random_(model: torch.nn.Module) -> None:
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0.0, 0.02)
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, group=None, device: torch.device | None = None):
         self.cfg = cfg
@@ -82,24 +90,45 @@ class ModelRunner:
         self.max_model_len = min(cfg.max_model_len, self.target_cfg.max_position_embeddings)
         # room for K+1 tokens past the last real one, twice (a step in flight may overrun a finished request)
         self.cache_len = self.max_model_len + 2 * (self.K + 1) + 1
-        drafter_dir = resolve_drafter(cfg.drafter, cfg.model, self.target_cfg) if cfg.speculative else None
-        # plain decoding captures no aux hidden states (and works for targets of any depth)
-        aux_ids = DrafterConfig.from_hf(load_config(drafter_dir)).aux_layer_ids if drafter_dir else ()
-        self.target = Llama(self.target_cfg, group, self.cache_len, aux_ids)
-        load_target_weights(self.target, model_dir)
-        self.target.to(self.device, self.dtype)
-        self.drafter = None
-        if drafter_dir is not None:
-            self.drafter = load_drafter(drafter_dir, group, self.target.embed_tokens, self.cache_len)
-            self.drafter.to(self.device, self.dtype)
-        log.info("rank %d: loaded %s%s in %.1f s", self.rank, cfg.model,
-                 f" + drafter {drafter_dir}" if drafter_dir else "", time.perf_counter() - start)
+        self._load_models(model_dir)
+        log.info("rank %d: loaded %s (drafter %s) in %.1f s", self.rank, cfg.model, cfg.drafter,
+                 time.perf_counter() - start)
         self._allocate()
         self.verify_graphs = self.chain_graphs = None
         self.graph_pool_bytes = 0
         if cfg.cuda_graphs and self.device.type == "cuda":
             with torch.inference_mode():
                 self.capture_graphs()
+
+    def _load_models(self, model_dir) -> None:
+        """Target and drafter shards from disk, or random weights built on the device for
+        `random:<shape>` models and the `random` drafter (speed measurements of large shapes)."""
+        cfg, group = self.cfg, self.group
+        random_target = cfg.model.startswith("random:")
+        drafter_dir = None
+        if cfg.speculative and cfg.drafter != "random":
+            drafter_dir = resolve_drafter(cfg.drafter, cfg.model, self.target_cfg)
+        # plain decoding captures no aux hidden states (and works for targets of any depth)
+        aux_ids = DrafterConfig.from_hf(load_config(drafter_dir)).aux_layer_ids if drafter_dir else \
+            (None if cfg.speculative else ())
+        with torch.device(self.device if random_target else "cpu"):
+            self.target = Llama(self.target_cfg, group, self.cache_len, aux_ids)
+        if random_target:
+            init_random_(self.target)
+        else:
+            load_target_weights(self.target, model_dir)
+        self.target.to(self.device, self.dtype)
+        self.drafter = None
+        if cfg.drafter == "random" and cfg.speculative:
+            from speculative.drafter import Eagle3Drafter, drafter_config_for
+            with torch.device(self.device):
+                self.drafter = Eagle3Drafter(drafter_config_for(self.target_cfg), group=group,
+                                             max_positions=self.cache_len, embed_tokens=self.target.embed_tokens)
+            init_random_(self.drafter)
+        elif drafter_dir is not None:
+            self.drafter = load_drafter(drafter_dir, group, self.target.embed_tokens, self.cache_len)
+        if self.drafter is not None:
+            self.drafter.to(self.device, self.dtype)
 
     def _allocate(self) -> None:
         cfg, tc = self.cfg, self.target_cfg

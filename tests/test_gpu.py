@@ -1,0 +1,54 @@
+"""GPU checks (skipped without CUDA): CUDA-graph output equals eager output, speculative equals
+plain, and no host synchronisation inside a step under torch.cuda.set_sync_debug_mode("error").
+On the H200 machine: `python tests/test_gpu.py` (no pytest there) or `python -m pytest tests/test_gpu.py`."""
+import json
+import os
+
+import pytest
+import torch
+
+from speculative.config import EngineConfig, SamplingParams
+from speculative.engine import LLMEngine, encode_prompt
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+MODEL = os.environ.get("EAGLESERVE_GPU_MODEL", "smollm2-135m")
+QUESTIONS = ["What is 2+2?", "Write a haiku about the sea.", "Name three colors.", "Explain gravity briefly.",
+             "What is the capital of Japan?"]
+
+
+def _generate(drafter: str, graphs: bool, k: int = 3, check_sync: bool = False, max_tokens: int = 48):
+    cfg = EngineConfig(model=MODEL, drafter=drafter, num_draft_tokens=k, max_batch_size=8, max_model_len=512,
+                       device="cuda", dtype="float32", cuda_graphs=graphs)
+    engine = LLMEngine(cfg)
+    engine.executor.check_host_sync = check_sync
+    prompts = [encode_prompt(engine.tokenizer, q) for q in QUESTIONS]
+    return [r.output_ids for r in engine.generate(prompts, SamplingParams(max_tokens=max_tokens))]
+
+
+def test_graphs_equal_eager_and_spec_equals_plain():
+    plain_eager = _generate("none", graphs=False)
+    assert _generate("none", graphs=True) == plain_eager
+    assert _generate("default", graphs=False) == plain_eager
+    assert _generate("default", graphs=True) == plain_eager
+    assert _generate("default", graphs=True, k=5) == plain_eager
+
+
+def test_no_host_sync_inside_steps():
+    plain = _generate("none", graphs=True, max_tokens=16)
+    assert _generate("default", graphs=True, check_sync=True, max_tokens=16) == plain
+    assert _generate("default", graphs=False, check_sync=True, max_tokens=16) == plain
+
+
+if __name__ == "__main__":
+    results = {}
+    for test in (test_graphs_equal_eager_and_spec_equals_plain, test_no_host_sync_inside_steps):
+        try:
+            test()
+            results[test.__name__] = "passed"
+        except Exception as e:  # report every check, then fail
+            results[test.__name__] = f"FAILED: {type(e).__name__}: {e}"
+    print(json.dumps(results, indent=1))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gpu_checks.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    raise SystemExit(0 if all(v == "passed" for v in results.values()) else 1)
