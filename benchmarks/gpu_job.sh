@@ -13,4 +13,5 @@ python3 -m deployments.cli bench --model $M --drafter $D --dataset $DATA --batch
 python3 -m deployments.cli bench --model $M --drafter $D --dataset $DATA --batch 8 -k 3 --overlap both \
     --cuda-graphs off --num-prompts 8 --output-len 128 -o $OUT/bench_eager.json 2>&1 | quiet 8
 python3 benchmarks/hf_reference.py --model $M --dataset $DATA -o $OUT/hf_reference.json 2>&1 | quiet 6
-python3 benchmarks/step_floor.py -o $OUT/step_floor.json 2>&1 | quiet 8
+python3 benchmarks/step_floor.py --model $M --drafter $D -o $OUT/step_floor_smollm2.json 2>&1 | quiet 7
+python3 benchmarks/step_floor.py -o $OUT/step_floor_8b.json 2>&1 | quiet 7
