@@ -34,7 +34,9 @@ class TPWorker:
         self.runner = None
         self.stopped = threading.Event()
         if not torch.cuda.is_available():
-            torch.set_num_threads(max(1, int(os.environ.get("EAGLESERVE_WORKER_THREADS", "1"))))
+            # ranks of one group share the node's cores
+            threads = os.environ.get("EAGLESERVE_WORKER_THREADS") or max(1, (os.cpu_count() or 1) // world_size)
+            torch.set_num_threads(int(threads))
 
     def node_address(self) -> tuple[str, int]:
         from workers.distributed import free_port
@@ -62,6 +64,10 @@ class TPWorker:
 
     def ping(self) -> bool:
         return True
+
+    def process_info(self) -> dict:
+        """Where this rank runs: placement checks and fault tests."""
+        return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
     def serve(self) -> None:
         """Execute plans until told to stop. Rank 0's results leave through a sender thread that
