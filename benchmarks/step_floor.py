@@ -56,7 +56,7 @@ def main():
     p.add_argument("-o", "--output", default="benchmarks/step_floor.json")
     args = p.parse_args()
     runner = ModelRunner(EngineConfig(model=args.model, drafter=args.drafter, num_draft_tokens=args.k,
-                                      max_batch_size=32, max_model_len=512, device="cuda"))
+                                      max_batch_size=32, max_model_len=256, device="cuda"))
     bw = bandwidth_bytes_per_s()
     weight_bytes = sum(t.numel() * t.element_size() for t in {id(p): p for p in runner.target.parameters()}.values())
     floor_ms = weight_bytes / bw * 1000
