@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
-# The H200 measurement job (issue 6): GPU checks, our bench (graphs and eager), HF reference,
-# 8B-shaped step floor. Run on the device machine after the .device/ setup calls; writes $OUT.
+# The H200 measurement job (issue 6), in priority order, each part skipped once the time budget
+# ($BUDGET seconds, default 540) is spent: our bench with CUDA graphs (plain, EAGLE-3 K=3 with and
+# without overlap; batch 1, 8, 32), the eager runs, K=5, the HF reference, the 8B-shaped step floor.
+# Run on the device machine after the .device/ setup calls; writes JSON under $OUT.
 set -uo pipefail
 find /tmp/site/ray/core/src -type f ! -name "*.py" -exec chmod +x {} + 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 M=/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf
 D=${DRAFTER:-speculative/drafters/smollm2-135m}
 DATA=.device/data/gsm8k_test.jsonl
-quiet() { grep -v -i "warn\|dequantiz\|FrontendNotFound\|dashboard" | tail -${1:-20}; }
-python3 -m deployments.cli bench --model $M --drafter $D --dataset $DATA --batch 1,8,32 -k 3,5 --overlap both \
-    --cuda-graphs on --num-prompts 8 --output-len 256 -o $OUT/bench_graphs.json 2>&1 | quiet 24
-python3 -m deployments.cli bench --model $M --drafter $D --dataset $DATA --batch 8 -k 3 --overlap both \
-    --cuda-graphs off --num-prompts 8 --output-len 128 -o $OUT/bench_eager.json 2>&1 | quiet 8
-python3 benchmarks/hf_reference.py --model $M --dataset $DATA -o $OUT/hf_reference.json 2>&1 | quiet 6
-python3 benchmarks/step_floor.py --model $M --drafter $D -o $OUT/step_floor_smollm2.json 2>&1 | quiet 7
-python3 benchmarks/step_floor.py -o $OUT/step_floor_8b.json 2>&1 | quiet 7
+END=$((SECONDS + ${BUDGET:-540}))
+quiet() { grep -v -i "warn\|dequantiz\|FrontendNotFound\|dashboard\|it/s\]" | tail -${1:-20}; }
+part() {  # part SECONDS_NEEDED command...
+    local need=$1; shift
+    if (( SECONDS + need > END )); then echo "skipped (time budget): $*"; return; fi
+    timeout $((END - SECONDS)) "$@" 2>&1 | quiet 16
+}
+BENCH="python3 -m deployments.cli bench --model $M --drafter $D --dataset $DATA --output-len 256 --num-prompts 8"
+part 120 $BENCH --batch 1,8,32 -k 3 --overlap both --cuda-graphs on -o $OUT/bench_graphs.json
+part 90 $BENCH --batch 8 -k 3 --overlap both --cuda-graphs off --modes plain,eagle -o $OUT/bench_eager.json
+part 60 $BENCH --batch 1,8,32 -k 5 --overlap on --cuda-graphs on --modes eagle -o $OUT/bench_k5.json
+part 60 python3 benchmarks/hf_reference.py --model $M --dataset $DATA -o $OUT/hf_reference.json
+part 90 python3 benchmarks/step_floor.py -o $OUT/step_floor_8b.json
+part 30 python3 benchmarks/step_floor.py --model $M --drafter $D -o $OUT/step_floor_smollm2.json
