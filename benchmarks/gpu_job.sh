@@ -18,6 +18,7 @@ part() {  # part SECONDS_NEEDED command...
 }
 BENCH="python3 -m deployments.cli bench --model $M --drafter $D --dataset $DATA --output-len 256 --num-prompts 8"
 part 120 $BENCH --batch 1,8,32 -k 3 --overlap both --cuda-graphs on -o $OUT/bench_graphs.json
+EAGLESERVE_GPU_MODEL=$M EAGLESERVE_GPU_DRAFTER=$D part 60 python3 tests/test_gpu.py
 part 90 $BENCH --batch 8 -k 3 --overlap both --cuda-graphs off --modes plain,eagle -o $OUT/bench_eager.json
 part 60 $BENCH --batch 1,8,32 -k 5 --overlap on --cuda-graphs on --modes eagle -o $OUT/bench_k5.json
 part 60 python3 benchmarks/hf_reference.py --model $M --dataset $DATA -o $OUT/hf_reference.json

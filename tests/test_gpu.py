@@ -12,6 +12,7 @@ from speculative.engine import LLMEngine, encode_prompt
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 MODEL = os.environ.get("EAGLESERVE_GPU_MODEL", "smollm2-135m")
+DRAFTER = os.environ.get("EAGLESERVE_GPU_DRAFTER", "default")
 QUESTIONS = ["What is 2+2?", "Write a haiku about the sea.", "Name three colors.", "Explain gravity briefly.",
              "What is the capital of Japan?"]
 
@@ -28,15 +29,15 @@ def _generate(drafter: str, graphs: bool, k: int = 3, check_sync: bool = False, 
 def test_graphs_equal_eager_and_spec_equals_plain():
     plain_eager = _generate("none", graphs=False)
     assert _generate("none", graphs=True) == plain_eager
-    assert _generate("default", graphs=False) == plain_eager
-    assert _generate("default", graphs=True) == plain_eager
-    assert _generate("default", graphs=True, k=5) == plain_eager
+    assert _generate(DRAFTER, graphs=False) == plain_eager
+    assert _generate(DRAFTER, graphs=True) == plain_eager
+    assert _generate(DRAFTER, graphs=True, k=5) == plain_eager
 
 
 def test_no_host_sync_inside_steps():
     plain = _generate("none", graphs=True, max_tokens=16)
-    assert _generate("default", graphs=True, check_sync=True, max_tokens=16) == plain
-    assert _generate("default", graphs=False, check_sync=True, max_tokens=16) == plain
+    assert _generate(DRAFTER, graphs=True, check_sync=True, max_tokens=16) == plain
+    assert _generate(DRAFTER, graphs=False, check_sync=True, max_tokens=16) == plain
 
 
 if __name__ == "__main__":
