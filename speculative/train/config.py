@@ -1,0 +1,47 @@
+"""Drafter training configuration (pydantic, extra fields forbidden), saved beside the output."""
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class DistillConfig(BaseModel):
+    """Self-distillation: the target regenerates responses to training prompts."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt_files: list[str] = Field(default_factory=list)  # JSONL(.gz) rows with "prompt" or "question"
+    num_prompts: int = Field(8192, ge=1)
+    max_prompt_len: int = Field(1024, ge=8)     # longer prompts are skipped
+    max_tokens: int = Field(320, ge=1)          # response tokens per prompt
+    sampled_fraction: float = Field(0.5, ge=0.0, le=1.0)  # the rest is greedy
+    temperature: float = Field(0.7, gt=0.0, le=2.0)
+    max_batch_size: int = Field(256, ge=1, le=1024)
+    time_limit_s: float | None = Field(None, gt=0)  # stop admitting prompts after this
+    seed: int = 0
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = "smollm2-135m"
+    output: str                                  # exported drafter directory
+    data: str                                    # token file written by self-distillation
+    checkpoint: str | None = None                # periodic checkpoints; default: output + ".ckpt"
+    distill: DistillConfig = DistillConfig()
+    draft_vocab_size: int = Field(4096, ge=2)
+    ttt_steps: int = Field(5, ge=1, le=16)       # unrolled draft steps (K at inference <= this)
+    step_decay: float = Field(0.8, gt=0.0, le=1.0)  # loss weight of step j is decay**j
+    lr: float = Field(6e-4, gt=0.0)
+    min_lr_ratio: float = Field(0.05, ge=0.0, le=1.0)
+    warmup_steps: int = Field(50, ge=0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    grad_clip: float = Field(0.5, gt=0.0)
+    max_steps: int = Field(2000, ge=1)
+    batch_tokens: int = Field(32768, ge=16)      # padded tokens per batch
+    max_seq_len: int = Field(1536, ge=8)         # longer sequences are cut
+    checkpoint_every: int = Field(200, ge=1)
+    time_limit_s: float | None = Field(None, gt=0)  # checkpoint and stop after this (resume later)
+    fit_steps_to_time: bool = False              # shrink max_steps so the LR schedule ends in time
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # of the frozen target and autocast
+    export_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    seed: int = 0

@@ -1,0 +1,146 @@
+"""Training data: prompts, self-distilled sequences (prompt + the target's own response) stored
+as flat int32 token arrays with offsets in safetensors, the draft vocabulary, and length-bucketed
+batches. Target features and distributions are not stored: they are recomputed per batch."""
+import gzip
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.numpy import load_file, save_file
+from tqdm import tqdm
+
+from speculative.train.config import DistillConfig
+
+
+@dataclass
+class TokenStore:
+    tokens: np.ndarray       # [num_tokens] int32, sequences back to back
+    offsets: np.ndarray      # [num_seqs + 1] int64
+    prompt_lens: np.ndarray  # [num_seqs] int32
+
+    def __len__(self) -> int:
+        return len(self.prompt_lens)
+
+    def seq(self, i: int) -> np.ndarray:
+        return self.tokens[self.offsets[i]:self.offsets[i + 1]]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @classmethod
+    def from_lists(cls, seqs: list[list[int]], prompt_lens: list[int]) -> "TokenStore":
+        lens = np.array([len(s) for s in seqs], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        flat = np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs]) if seqs else np.zeros(0, np.int32)
+        return cls(flat, offsets, np.asarray(prompt_lens, dtype=np.int32))
+
+    def save(self, path: Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_file({"tokens": self.tokens, "offsets": self.offsets, "prompt_lens": self.prompt_lens}, str(path))
+
+    @classmethod
+    def load(cls, path: Path) -> "TokenStore":
+        t = load_file(str(path))
+        return cls(t["tokens"], t["offsets"], t["prompt_lens"])
+
+
+def read_prompts(files: list[str]) -> list[str]:
+    """Prompts from JSONL(.gz) files: field "prompt" (training prompts) or "question" (GSM8K)."""
+    prompts = []
+    for file in files:
+        opener = gzip.open if str(file).endswith(".gz") else open
+        with opener(file, "rt") as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    prompts.append(row.get("prompt") or row["question"])
+    return prompts
+
+
+def self_distill(engine, cfg: DistillConfig) -> TokenStore:
+    """Regenerate responses with the target through our engine (drafter "none"); a response that
+    ended on EOS keeps that EOS, so the drafter learns where answers stop."""
+    from speculative.config import SamplingParams
+    from speculative.engine import encode_prompt
+    texts = read_prompts(cfg.prompt_files)
+    random.Random(cfg.seed).shuffle(texts)
+    encoded = (ids for ids in (encode_prompt(engine.tokenizer, t) for t in texts) if len(ids) <= cfg.max_prompt_len)
+    rng = random.Random(cfg.seed + 1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens)
+    eos = engine.tokenizer.eos_token_id
+    engine.scheduler.tokenizer = None  # no detokenizing: nothing reads the text, and it costs host time
+    requests, start = [], time.perf_counter()
+    bar = tqdm(total=min(cfg.num_prompts, len(texts)), desc="self-distillation", unit="seq")
+    is_admitting = True
+    while is_admitting or engine.has_work:
+        if cfg.time_limit_s is not None and time.perf_counter() - start > cfg.time_limit_s:
+            is_admitting = False
+        while is_admitting and engine.scheduler.num_waiting < engine.executor.num_slots:
+            ids = next(encoded, None)
+            if ids is None or len(requests) >= cfg.num_prompts:
+                is_admitting = False
+                break
+            sampled = rng.random() < cfg.sampled_fraction
+            params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                                    seed=rng.randrange(2**31)) if sampled else greedy
+            requests.append(engine.add_request(ids, params))
+        bar.update(sum(out.finish_reason is not None for out in engine.step()))
+    bar.close()
+    seqs, prompt_lens = [], []
+    for r in requests:
+        response = r.output_ids + ([eos] if r.finish_reason == "stop" and eos is not None else [])
+        seqs.append(r.prompt_ids + response)
+        prompt_lens.append(len(r.prompt_ids))
+    return TokenStore.from_lists(seqs, prompt_lens)
+
+
+def draft_vocab(store: TokenStore, vocab_size: int, draft_vocab_size: int,
+                always: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The most frequent response tokens -> (d2t [Vd] int64 offsets, t2d [V] bool, coverage).
+    Draft ids keep the target order, so target id = draft id + d2t[draft id]."""
+    responses = [store.seq(i)[store.prompt_lens[i]:] for i in range(len(store))]
+    counts = np.bincount(np.concatenate(responses + [np.zeros(0, np.int32)]), minlength=vocab_size)
+    priority = counts.copy()
+    priority[list(always)] = counts.max() + 1
+    chosen = np.sort(np.argsort(-priority, kind="stable")[:draft_vocab_size])
+    coverage = float(counts[chosen].sum() / max(counts.sum(), 1))
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[torch.from_numpy(chosen)] = True
+    d2t = torch.from_numpy(chosen).long() - torch.arange(draft_vocab_size)
+    return d2t, t2d, coverage
+
+
+def batches(store: TokenStore, batch_tokens: int, max_seq_len: int, seed: int, epoch: int) -> list[list[int]]:
+    """Length-bucketed batches of sequence indices, each at most `batch_tokens` padded tokens,
+    in a shuffled order that depends only on (seed, epoch), so a resumed run sees the same batches."""
+    rng = np.random.default_rng([seed, epoch])
+    lengths = np.minimum(store.lengths, max_seq_len)
+    order = np.argsort(lengths + rng.random(len(lengths)), kind="stable")  # ties shuffled
+    out, current = [], []
+    for i in order:
+        longest = max(lengths[current[0]] if current else 0, lengths[i])
+        if current and longest * (len(current) + 1) > batch_tokens:
+            out.append(current)
+            current = []
+        current.append(int(i))
+    if current:
+        out.append(current)
+    rng.shuffle(out)
+    return out
+
+
+def collate(store: TokenStore, indices: list[int], max_seq_len: int, pad_id: int = 0):
+    """-> ids [B, T] int64, lengths [B], prompt_lens [B] (sequences cut to max_seq_len)."""
+    seqs = [store.seq(i)[:max_seq_len] for i in indices]
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    for row, s in enumerate(seqs):
+        ids[row, :len(s)] = torch.from_numpy(s.astype(np.int64))
+    lengths = torch.tensor([len(s) for s in seqs])
+    prompt_lens = torch.tensor([int(store.prompt_lens[i]) for i in indices])
+    return ids, lengths, prompt_lens

@@ -1,0 +1,53 @@
+"""The frozen target over whole sequences, without a KV cache: aux features and the target's
+distribution over the draft vocabulary, recomputed for every training batch (never stored)."""
+import torch
+import torch.nn.functional as F
+
+from workers.attention import CachedAttention
+from workers.llama import Llama
+
+
+def _causal_attention(attn: CachedAttention, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    B, T, _ = x.shape
+    D = attn.head_dim
+    q, k, v = attn.qkv_proj(x).split([attn.heads * D, attn.kv_heads * D, attn.kv_heads * D], dim=-1)
+    q = attn.rotary(q.view(B, T, attn.heads, D), positions).transpose(1, 2)      # [B, heads, T, D]
+    k = attn.rotary(k.view(B, T, attn.kv_heads, D), positions).transpose(1, 2)   # [B, kv_heads, T, D]
+    v = v.view(B, T, attn.kv_heads, D).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=attn.heads != attn.kv_heads)
+    return attn.o_proj(out.transpose(1, 2).reshape(B, T, attn.heads * D))
+
+
+@torch.no_grad()
+def target_features(model: Llama, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, T] (right padded) -> final normed hidden [B, T, H], aux features [B, T, 3H]: the
+    residual stream entering each aux layer, exactly what `Llama.forward` captures at inference."""
+    B, T = ids.shape
+    positions = torch.arange(T, device=ids.device).expand(B, T)
+    h = model.embed_tokens(ids)
+    aux = {}
+    for i, layer in enumerate(model.layers):
+        if i in model.aux_layer_ids:
+            aux[i] = h
+        h = h + _causal_attention(layer.self_attn, layer.input_layernorm(h), positions)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return model.norm(h), torch.cat([aux[i] for i in model.aux_layer_ids], dim=-1)
+
+
+@torch.no_grad()
+def target_draft_probs(model: Llama, hidden: torch.Tensor, draft_to_target: torch.Tensor,
+                       chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [B, T, H] -> (probs [B, T, Vd] float32: the target's distribution renormalised over
+    the draft vocabulary, is_in_draft [B, T]: whether the target's full-vocab argmax is a draft token).
+    Positions whose argmax is outside the draft vocabulary cannot be drafted; training skips them."""
+    B, T, H = hidden.shape
+    flat = hidden.reshape(-1, H)
+    weight = model.lm_head.weight
+    in_draft = torch.zeros(weight.shape[0], dtype=torch.bool, device=hidden.device)
+    in_draft[draft_to_target] = True
+    probs, is_in_draft = [], []
+    for part in flat.split(chunk):  # full-vocab logits only a chunk at a time
+        logits = F.linear(part, weight)                              # [n, V]
+        is_in_draft.append(in_draft[logits.argmax(-1)])
+        probs.append(torch.softmax(logits[:, draft_to_target].float(), dim=-1))
+    return torch.cat(probs).view(B, T, -1), torch.cat(is_in_draft).view(B, T)

@@ -1,0 +1,173 @@
+"""The drafter training loop: frozen target recomputed per batch, TTT loss, AdamW with warmup and
+cosine decay, periodic checkpoints (a standard fp32 drafter directory + optimizer state in
+safetensors + JSON metadata, no pickle), resume, and export in the standard EAGLE-3 format."""
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from speculative.drafter import (Eagle3Drafter, drafter_config_for, drafter_state_dict, load_drafter,
+                                 random_drafter_state, save_drafter)
+from speculative.train.config import TrainConfig
+from speculative.train.data import TokenStore, batches, collate, draft_vocab
+from speculative.train.target import target_draft_probs, target_features
+from speculative.train.ttt import ttt_forward, ttt_loss
+from workers.llama import Llama, LlamaConfig
+from workers.loader import load_config, load_target_weights, resolve_model
+from workers.model_runner import pick_device, pick_dtype
+
+log = logging.getLogger(__name__)
+
+
+def load_target(model: str, device: torch.device, dtype: torch.dtype) -> Llama:
+    model_dir = resolve_model(model)
+    target = Llama(LlamaConfig.from_hf(load_config(model_dir)))
+    load_target_weights(target, model_dir)
+    return target.to(device, dtype).eval()
+
+
+def init_drafter(cfg: TrainConfig, target: Llama, store: TokenStore, path: Path) -> Eagle3Drafter:
+    """A fresh drafter written to `path` (the checkpoint format) and loaded back. The LM head and
+    final norm start from the target's rows for the draft vocabulary: a warm start for the head."""
+    eos = target.cfg.eos_token_id
+    always = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
+    d2t, t2d, coverage = draft_vocab(store, target.cfg.vocab_size, cfg.draft_vocab_size, always)
+    log.info("draft vocabulary of %d tokens covers %.1f%% of response tokens", cfg.draft_vocab_size, 100 * coverage)
+    dcfg = drafter_config_for(target.cfg, cfg.draft_vocab_size)
+    state = random_drafter_state(dcfg, len(target.aux_layer_ids), cfg.seed)
+    draft_to_target = torch.arange(cfg.draft_vocab_size) + d2t
+    state.update(d2t=d2t, t2d=t2d, **{"lm_head.weight": target.lm_head.weight[draft_to_target.to(
+        target.lm_head.weight.device)].float().cpu(), "norm.weight": target.norm.weight.float().cpu()})
+    save_drafter(path, dcfg, state)
+    (path / "vocab_coverage.json").write_text(json.dumps({"coverage": coverage}))
+    return load_drafter(path, target_embeddings=target.embed_tokens)
+
+
+def save_checkpoint(path: Path, drafter: Eagle3Drafter, optimizer, step: int, metrics: dict,
+                    max_steps: int) -> None:
+    save_drafter(path, drafter.cfg, drafter_state_dict(drafter))
+    names = {id(p): n for n, p in drafter.named_parameters()}
+    tensors = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, value in optimizer.state.get(p, {}).items():
+                tensors[f"{names[id(p)]}.{key}"] = value.detach().float().reshape(-1).cpu().contiguous()
+    save_file(tensors, str(path / "optimizer.safetensors"))
+    (path / "trainer_state.json").write_text(json.dumps({"step": step, "max_steps": max_steps, "metrics": metrics}, indent=2))
+
+
+def load_optimizer_state(path: Path, drafter: Eagle3Drafter, optimizer) -> None:
+    tensors = load_file(str(path / "optimizer.safetensors"))
+    for name, p in drafter.named_parameters():
+        if p.requires_grad and f"{name}.exp_avg" in tensors:
+            optimizer.state[p] = {
+                "step": tensors[f"{name}.step"].reshape(()).clone(),
+                "exp_avg": tensors[f"{name}.exp_avg"].view_as(p).to(p.device),
+                "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].view_as(p).to(p.device)}
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(cfg.max_steps - cfg.warmup_steps, 1)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def train_step(cfg: TrainConfig, target: Llama, drafter: Eagle3Drafter, draft_to_target, batch, device, dtype):
+    ids, lengths, prompt_lens = (x.to(device, non_blocking=True) for x in batch)
+    hidden, aux = target_features(target, ids)                    # [B, T, H], [B, T, 3H]
+    probs, is_in_draft = target_draft_probs(target, hidden, draft_to_target)
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        logits = ttt_forward(drafter, ids, aux, cfg.ttt_steps)
+    return ttt_loss(logits, probs, is_in_draft, lengths, prompt_lens, cfg.step_decay)
+
+
+def batch_stream(cfg: TrainConfig, store: TokenStore, skip: int):
+    """(epoch, sequence indices) forever, the same order on every run, the first `skip` dropped."""
+    epoch, seen = 0, 0
+    while True:
+        for indices in batches(store, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, epoch):
+            if seen >= skip:
+                yield epoch, indices
+            seen += 1
+        epoch += 1
+
+
+def _setup(cfg: TrainConfig, device, dtype):
+    store = TokenStore.load(Path(cfg.data))
+    target = load_target(cfg.model, device, dtype)
+    ckpt = Path(cfg.checkpoint or cfg.output + ".ckpt")
+    state = json.loads((ckpt / "trainer_state.json").read_text()) if (ckpt / "trainer_state.json").is_file() else None
+    drafter = load_drafter(ckpt, target_embeddings=target.embed_tokens) if state \
+        else init_drafter(cfg, target, store, ckpt)
+    drafter.to(device)
+    params = [p for n, p in drafter.named_parameters() if not n.startswith("embed_tokens")]
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    if state:
+        load_optimizer_state(ckpt, drafter, optimizer)
+        log.info("resumed from %s at step %d", ckpt, state["step"])
+    return store, target, drafter, optimizer, params, ckpt, state or {"step": 0, "max_steps": cfg.max_steps}
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Train (resuming from the checkpoint when there is one) and export. Returns the summary."""
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
+    torch.manual_seed(cfg.seed)
+    store, target, drafter, optimizer, params, ckpt, state = _setup(cfg, device, dtype)
+    step, metrics = state["step"], state.get("metrics", {})
+    schedule = cfg.model_copy(update={"max_steps": state.get("max_steps", cfg.max_steps)})
+    draft_to_target = (torch.arange(drafter.cfg.draft_vocab_size, device=device) + drafter.d2t).long()
+    stream = batch_stream(cfg, store, step)
+    start, first_step, warm_at = time.perf_counter(), step, 0.0
+    bar = tqdm(total=schedule.max_steps, initial=step, desc="training drafter", unit="step")
+    while step < schedule.max_steps:
+        epoch, indices = next(stream)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(schedule, step)
+        loss, accuracy = train_step(cfg, target, drafter, draft_to_target,
+                                    collate(store, indices, cfg.max_seq_len), device, dtype)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        bar.update(1)
+        elapsed = time.perf_counter() - start
+        if step - first_step == 20:
+            warm_at = elapsed  # the first steps compile kernels for new shapes: rate from later ones
+        if cfg.fit_steps_to_time and cfg.time_limit_s and step - first_step == 40:
+            fitted = step + int((cfg.time_limit_s - elapsed) / ((elapsed - warm_at) / 20))
+            schedule = schedule.model_copy(update={"max_steps": max(step + 1, min(schedule.max_steps, fitted))})
+            bar.total = schedule.max_steps
+            log.info("fitted the schedule to the time limit: %d steps", schedule.max_steps)
+        if step % 10 == 0 or step == schedule.max_steps:
+            metrics = {"loss": round(loss.item(), 4), "epoch": epoch,
+                       "accuracy": [round(a, 4) for a in accuracy.tolist()]}
+            bar.set_postfix(loss=metrics["loss"], acc0=metrics["accuracy"][0], acc_last=metrics["accuracy"][-1])
+        out_of_time = cfg.time_limit_s is not None and elapsed > cfg.time_limit_s
+        if step % cfg.checkpoint_every == 0 or step == schedule.max_steps or out_of_time:
+            save_checkpoint(ckpt, drafter, optimizer, step, metrics, schedule.max_steps)
+        if out_of_time:
+            break
+    bar.close()
+    return export(cfg, drafter, step, schedule.max_steps, metrics, time.perf_counter() - start)
+
+
+def export(cfg: TrainConfig, drafter: Eagle3Drafter, step: int, max_steps: int, metrics: dict,
+           train_s: float) -> dict:
+    out = Path(cfg.output)
+    dtype = torch.bfloat16 if cfg.export_dtype == "bfloat16" else torch.float32
+    save_drafter(out, drafter.cfg, drafter_state_dict(drafter), dtype)
+    (out / "training_config.json").write_text(cfg.model_dump_json(indent=2))
+    summary = {"step": step, "max_steps": max_steps, "is_complete": step >= max_steps,
+               "train_s_this_run": round(train_s, 1), "metrics": metrics}
+    (out / "training_summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
