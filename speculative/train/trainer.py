@@ -57,12 +57,14 @@ def save_checkpoint(path: Path, drafter: Eagle3Drafter, optimizer, step: int, me
         for p in group["params"]:
             for key, value in optimizer.state.get(p, {}).items():
                 tensors[f"{names[id(p)]}.{key}"] = value.detach().float().reshape(-1).cpu().contiguous()
-    save_file(tensors, str(path / "optimizer.safetensors"))
+    # its own folder: load_drafter reads every *.safetensors beside config.json
+    (path / "optimizer").mkdir(exist_ok=True)
+    save_file(tensors, str(path / "optimizer" / "optimizer.safetensors"))
     (path / "trainer_state.json").write_text(json.dumps({"step": step, "max_steps": max_steps, "metrics": metrics}, indent=2))
 
 
 def load_optimizer_state(path: Path, drafter: Eagle3Drafter, optimizer) -> None:
-    tensors = load_file(str(path / "optimizer.safetensors"))
+    tensors = load_file(str(path / "optimizer" / "optimizer.safetensors"))
     for name, p in drafter.named_parameters():
         if p.requires_grad and f"{name}.exp_avg" in tensors:
             optimizer.state[p] = {
@@ -123,7 +125,8 @@ def train(cfg: TrainConfig) -> dict:
     torch.manual_seed(cfg.seed)
     store, target, drafter, optimizer, params, ckpt, state = _setup(cfg, device, dtype)
     step, metrics = state["step"], state.get("metrics", {})
-    schedule = cfg.model_copy(update={"max_steps": state.get("max_steps", cfg.max_steps)})
+    # a fitted schedule is kept on resume; otherwise the config decides (and may extend a run)
+    schedule = cfg.model_copy(update={"max_steps": state["max_steps"]}) if cfg.fit_steps_to_time else cfg
     draft_to_target = (torch.arange(drafter.cfg.draft_vocab_size, device=device) + drafter.d2t).long()
     stream = batch_stream(cfg, store, step)
     start, first_step, warm_at = time.perf_counter(), step, 0.0
@@ -150,7 +153,8 @@ def train(cfg: TrainConfig) -> dict:
             log.info("fitted the schedule to the time limit: %d steps", schedule.max_steps)
         if step % 10 == 0 or step == schedule.max_steps:
             metrics = {"loss": round(loss.item(), 4), "epoch": epoch,
-                       "accuracy": [round(a, 4) for a in accuracy.tolist()]}
+                       "accuracy": [round(a, 4) for a in accuracy.tolist()],
+                       "loss_history": metrics.get("loss_history", [])[-99:] + [round(loss.item(), 4)]}
             bar.set_postfix(loss=metrics["loss"], acc0=metrics["accuracy"][0], acc_last=metrics["accuracy"][-1])
         out_of_time = cfg.time_limit_s is not None and elapsed > cfg.time_limit_s
         if step % cfg.checkpoint_every == 0 or step == schedule.max_steps or out_of_time:
