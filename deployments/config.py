@@ -28,6 +28,8 @@ class ServeConfig(BaseModel):
     max_ongoing_requests: int = Field(256, ge=1)  # per replica, Serve's own limit
     api_key: str | None = None                    # or EAGLESERVE_API_KEY; None means no auth
     max_request_bytes: int = Field(1 << 20, ge=1024)
+    resume_timeout_s: float = Field(30.0, ge=0)   # a stream whose replica fails goes on elsewhere; 0: off
+    hung_step_s: float = Field(30.0, gt=0)        # a step running longer fails the health check
     ray_address: str | None = None                # join a cluster instead of starting local Ray
 
     @property

@@ -4,12 +4,14 @@ one per rank, STRICT_PACK) and the coordinator that drives it."""
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
+import ray
 from ray import serve
 
 from deployments.config import ServeConfig
@@ -17,7 +19,7 @@ from deployments.metrics import Metrics
 from deployments.protocol import (APIError, ChatCompletionRequest, CompletionRequest, completion_id, now,
                                   refuse_unknown, usage)
 from speculative.config import SamplingParams
-from speculative.scheduler import RequestError
+from speculative.scheduler import RequestError, RequestOutput
 
 log = logging.getLogger("eagleserve.server")
 api = FastAPI(title="eagleserve")
@@ -59,9 +61,22 @@ class LLMServer:
     def stats(self) -> dict:
         return self.coordinator.stats()
 
+    async def replica_info(self) -> dict:
+        """This replica's process and node, its ranks' (placement checks, fault tests), its step count."""
+        workers = await asyncio.gather(*[w.process_info.remote() for w in self.coordinator.worker_handles()])
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "workers": workers,
+                "num_steps": self.coordinator.stats()["num_steps"]}
+
     def check_health(self) -> None:
-        if self.coordinator.error:
-            raise RuntimeError(f"decode loop failed: {self.coordinator.error}")
+        c = self.coordinator
+        if c.error:
+            raise RuntimeError(f"decode loop failed: {c.error}")
+        if (age := c.step_age_s()) > self.cfg.hung_step_s:
+            # a hung collective: kill the ranks so the step's requests fail now (and resume on another
+            # replica) instead of waiting for Serve to replace this one
+            for w in c.worker_handles():
+                ray.kill(w, no_restart=True)
+            raise RuntimeError(f"a step has been in flight for {age:.0f} s; the TP group is hung")
 
 
 @api.exception_handler(APIError)
@@ -75,6 +90,12 @@ async def _request_id(request: Request, call_next):
     # in the response; we reuse it so our log lines for the request carry it.
     request.state.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     return await call_next(request)
+
+
+def _resumable(e: Exception) -> bool:
+    """The replica died, was unreachable or its engine failed (503): the request may go elsewhere."""
+    err = e if isinstance(e, APIError) else getattr(e, "cause", None)
+    return err.status == 503 if isinstance(err, APIError) else True
 
 
 def _as_api_error(e: Exception) -> APIError:
@@ -105,8 +126,10 @@ class OpenAIIngress:
 
     async def _parse(self, request: Request, model_cls):
         self._authorize(request)
-        body = await request.body()
-        if len(body) > self.cfg.max_request_bytes:
+        declared = request.headers.get("content-length", "")
+        too_large = declared.isdigit() and int(declared) > self.cfg.max_request_bytes  # refused before reading
+        body = b"" if too_large else await request.body()
+        if too_large or len(body) > self.cfg.max_request_bytes:
             raise APIError(413, f"request body over {self.cfg.max_request_bytes} bytes", code="request_too_large")
         try:
             data = json.loads(body)
@@ -137,11 +160,40 @@ class OpenAIIngress:
         return req.sampling_params(limit - len(prompt_ids)).model_copy(
             update={"max_tokens": max_tokens or limit - len(prompt_ids)})
 
+    async def _generate(self, rid: str, prompt_ids: list[int], params: SamplingParams, current: list):
+        """The request's deltas. If its replica dies or its engine fails, the request is resubmitted
+        (any healthy replica) as prompt + the tokens already sent, for the remaining max_tokens: the
+        client sees a slower stream, not an error, and greedy output is unchanged. `current[0]` is
+        the stream in progress (to cancel)."""
+        sent: list[int] = []
+        deadline, attempt = None, 0
+        while True:
+            left = params.max_tokens - len(sent)
+            if left <= 0:
+                yield RequestOutput(rid, [], "", "length")
+                return
+            current[0] = self.server.generate.remote(f"{rid}.{attempt}" if attempt else rid, prompt_ids + sent,
+                                                     params.model_copy(update={"max_tokens": left}))
+            try:
+                async for item in current[0]:
+                    sent += item.new_token_ids
+                    yield item
+                return
+            except Exception as e:
+                deadline = deadline or time.monotonic() + self.cfg.resume_timeout_s
+                if not _resumable(e) or time.monotonic() >= deadline:
+                    raise
+                log.warning("request %s: resuming after %d tokens (%s)", rid, len(sent), type(e).__name__)
+            attempt += 1
+            # until Serve notices the failure it may route to the failed replica again
+            await asyncio.sleep(min(0.25 * 2 ** attempt, 2.0))
+
     async def _run(self, request: Request, endpoint: str, prompt_ids, params, stream: bool, make_chunk, make_full,
                    include_usage: bool):
         rid = f"{request.state.request_id}/{uuid.uuid4().hex[:8]}"
         start = time.perf_counter()
-        outputs = self.server.generate.remote(rid, prompt_ids, params)
+        current = [None]
+        outputs = self._generate(rid, prompt_ids, params, current)
         try:
             first = await outputs.__anext__()
         except StopAsyncIteration:
@@ -192,7 +244,7 @@ class OpenAIIngress:
             except Exception as e:  # the stream already started: report in-band, OpenAI style
                 yield f"data: {json.dumps(_as_api_error(e).body())}\n\n"
             finally:
-                outputs.cancel()
+                current[0].cancel()
         return StreamingResponse(sse(), media_type="text/event-stream")
 
     @api.post("/v1/chat/completions")
@@ -277,9 +329,11 @@ def llm_server_options(cfg: ServeConfig) -> dict:
     from speculative.coordinator import wants_gpu
     use_gpu = wants_gpu(cfg.engine)
     rank_bundle = {"GPU": 1} if use_gpu else {"CPU": 1}
+    # a failed replica is replaced after 3 failed checks; it gets 10 s to drain (its streams resume elsewhere)
     options = {"placement_group_bundles": [{"CPU": 0.01}] + [rank_bundle] * cfg.engine.tp,
                "placement_group_strategy": "STRICT_PACK", "max_ongoing_requests": cfg.max_ongoing_requests,
-               "health_check_period_s": 5, "health_check_timeout_s": 30, "ray_actor_options": {"num_cpus": 0.01}}
+               "health_check_period_s": 2, "health_check_timeout_s": 30, "graceful_shutdown_timeout_s": 10,
+               "ray_actor_options": {"num_cpus": 0.01}}
     if cfg.autoscaling:
         options["autoscaling_config"] = cfg.autoscaling.model_dump()
     else:

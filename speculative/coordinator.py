@@ -201,6 +201,7 @@ class Coordinator:
         self.error: str | None = None
         self.wait_s = 0.0           # loop time spent blocked on workers
         self.busy_s = 0.0           # loop time with work to do
+        self.step_started: float | None = None  # monotonic start of the engine step in progress
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="coordinator-loop", daemon=True)
         self.thread.start()
@@ -245,6 +246,11 @@ class Coordinator:
                 "num_rows": s.num_rows, "num_extra_rows": s.num_extra_rows, "num_verify_rows": s.num_verify_rows,
                 "draft_proposed": s.num_draft_proposed, "draft_accepted": s.num_draft_accepted,
                 "accepted_at": list(s.accepted_at), "healthy": self.error is None}
+
+    def step_age_s(self) -> float:
+        """How long the step in progress has run (0 when none): a hung collective shows here."""
+        started = self.step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     def worker_handles(self) -> list:
         """The TP worker actors (for health checks and fault tests)."""
@@ -291,11 +297,14 @@ class Coordinator:
                     continue
             start = time.perf_counter()
             wait_before = self.executor.timings.wait_s
+            self.step_started = time.monotonic()
             try:
                 outputs = self.engine.step()
             except Exception as e:
                 self._fail_all(e)
                 return
+            finally:
+                self.step_started = None
             self.busy_s += time.perf_counter() - start
             self.wait_s += self.executor.timings.wait_s - wait_before
             for out in outputs:
