@@ -1,11 +1,9 @@
 """Drafter training on CPU: the TTT mask, a tiny end-to-end run (self-distillation through the
 engine, training, resume, export) and the exported drafter's acceptance against a random one."""
 import json
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from speculative.config import EngineConfig, SamplingParams
 from speculative.drafter import drafter_config_for, random_drafter_state, save_drafter
@@ -14,7 +12,8 @@ from speculative.train.config import DistillConfig, TrainConfig
 from speculative.train.pipeline import train_drafter
 from speculative.train.ttt import ttt_mask
 from workers.llama import LlamaConfig
-from workers.loader import load_config, resolve_model
+from tiny_models import tiny_llama
+from workers.loader import load_config
 
 QUESTIONS = ["How many legs do 3 cats have?", "What is 7 times 8?", "Name a red fruit.", "Spell the word cat.",
              "Count from one to five.", "Is the sky blue?", "What is 10 minus 4?", "Say hello twice."]
@@ -30,30 +29,8 @@ def test_ttt_mask_matches_inference_cache():
     assert m.sum(dim=(1, 2)).min() >= 1  # every row reads at least its own key: no NaN rows
 
 
-def tiny_target(path, layers=4, hidden=64, heads=4, kv_heads=2, inter=128):
-    """A random Llama in HF layout with SmolLM2's tokenizer and chat template."""
-    path.mkdir(parents=True)
-    for f in resolve_model("smollm2-135m").iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy(f, path / f.name)
-    vocab, D = 49152, hidden // heads
-    g = torch.Generator().manual_seed(0)
-    w = lambda *s: torch.randn(*s, generator=g) * 0.2  # noqa: E731
-    t = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": torch.ones(hidden),
-         "lm_head.weight": w(vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        t |= {p + "self_attn.q_proj.weight": w(heads * D, hidden), p + "self_attn.k_proj.weight": w(kv_heads * D, hidden),
-              p + "self_attn.v_proj.weight": w(kv_heads * D, hidden), p + "self_attn.o_proj.weight": w(hidden, heads * D),
-              p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
-              p + "mlp.down_proj.weight": w(hidden, inter), p + "input_layernorm.weight": torch.ones(hidden),
-              p + "post_attention_layernorm.weight": torch.ones(hidden)}
-    save_file(t, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps({
-        "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "max_position_embeddings": 1024, "tie_word_embeddings": False, "eos_token_id": 2}))
-    return path
+def tiny_target(path):
+    return tiny_llama(path, layers=4)
 
 
 @pytest.fixture(scope="module")
