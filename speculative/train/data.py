@@ -77,18 +77,27 @@ def self_distill(engine, cfg: DistillConfig) -> TokenStore:
     requests, start = [], time.perf_counter()
     bar = tqdm(total=min(cfg.num_prompts, len(texts)), desc="self-distillation", unit="seq")
     is_admitting = True
+    num_slots = engine.executor.num_slots
+
+    def num_busy() -> int:
+        return engine.scheduler.num_waiting + engine.scheduler.num_running
+
     while is_admitting or engine.has_work:
         if cfg.time_limit_s is not None and time.perf_counter() - start > cfg.time_limit_s:
             is_admitting = False
-        while is_admitting and engine.scheduler.num_waiting < engine.executor.num_slots:
-            ids = next(encoded, None)
-            if ids is None or len(requests) >= cfg.num_prompts:
-                is_admitting = False
-                break
-            sampled = rng.random() < cfg.sampled_fraction
-            params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                    seed=rng.randrange(2**31)) if sampled else greedy
-            requests.append(engine.add_request(ids, params))
+        # Refill in waves once a quarter of the slots are free: a step that carries a prefill runs
+        # eager and costs as much as many graphed decode steps, so one prefill per finished
+        # request would make the generation several times slower.
+        if is_admitting and num_busy() <= num_slots * 3 // 4:
+            for _ in range(num_slots - num_busy()):
+                ids = next(encoded, None)
+                if ids is None or len(requests) >= cfg.num_prompts:
+                    is_admitting = False
+                    break
+                sampled = rng.random() < cfg.sampled_fraction
+                params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                                        seed=rng.randrange(2**31)) if sampled else greedy
+                requests.append(engine.add_request(ids, params))
         bar.update(sum(out.finish_reason is not None for out in engine.step()))
     bar.close()
     seqs, prompt_lens = [], []
