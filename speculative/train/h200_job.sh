@@ -9,9 +9,9 @@ MODEL=/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p /tmp/eagle "$OUT/drafter"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python3 -m deployments.cli -v train-drafter --config "$CONFIG" 2>&1 | tee "$OUT/train.log" | grep -v "^\s*$" | tail -c 4000
-cp /tmp/eagle/drafter/*.json /tmp/eagle/drafter/model.safetensors "$OUT/drafter/" 2>/dev/null
-cp /tmp/eagle/drafter.ckpt/vocab_coverage.json "$OUT/drafter/" 2>/dev/null
-python3 benchmarks/acceptance.py --model "$MODEL" --drafter /tmp/eagle/drafter --k ${BENCH_K:-3 5} --temperatures ${BENCH_T:-0 0.7} \
+cp ${DRAFTER_OUT:-/tmp/eagle/drafter}/*.json ${DRAFTER_OUT:-/tmp/eagle/drafter}/model.safetensors "$OUT/drafter/" 2>/dev/null
+cp ${DRAFTER_OUT:-/tmp/eagle/drafter}.ckpt/vocab_coverage.json "$OUT/drafter/" 2>/dev/null
+python3 benchmarks/acceptance.py --model "$MODEL" --drafter ${DRAFTER_OUT:-/tmp/eagle/drafter} --k ${BENCH_K:-3 5} --temperatures ${BENCH_T:-0 0.7} \
     --max-batch-size 128 --data-root .device/data --device cuda \
     --output "$OUT/acceptance.json" 2>&1 | tee "$OUT/bench.log" | grep -v "^{\|it/s\]" | tail -c 3000
 ls -la "$OUT" "$OUT/drafter"

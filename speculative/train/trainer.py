@@ -129,7 +129,7 @@ def train(cfg: TrainConfig) -> dict:
     schedule = cfg.model_copy(update={"max_steps": state["max_steps"]}) if cfg.fit_steps_to_time else cfg
     draft_to_target = (torch.arange(drafter.cfg.draft_vocab_size, device=device) + drafter.d2t).long()
     stream = batch_stream(cfg, store, step)
-    start, first_step, warm_at = time.perf_counter(), step, 0.0
+    start, first_step, mark_s = time.perf_counter(), step, 0.0
     bar = tqdm(total=schedule.max_steps, initial=step, desc="training drafter", unit="step")
     while step < schedule.max_steps:
         epoch, indices = next(stream)
@@ -144,13 +144,16 @@ def train(cfg: TrainConfig) -> dict:
         step += 1
         bar.update(1)
         elapsed = time.perf_counter() - start
-        if step - first_step == 20:
-            warm_at = elapsed  # the first steps compile kernels for new shapes: rate from later ones
-        if cfg.fit_steps_to_time and cfg.time_limit_s and step - first_step == 40:
-            fitted = step + int((cfg.time_limit_s - elapsed) / ((elapsed - warm_at) / 20))
-            schedule = schedule.model_copy(update={"max_steps": max(step + 1, min(schedule.max_steps, fitted))})
+        if cfg.fit_steps_to_time and cfg.time_limit_s and (step - first_step) % 40 == 0:
+            # Refit every 40 steps from the rate of the last 40: the first tens of steps run several
+            # times slower (kernels picked for new shapes), so one early estimate stops far too soon.
+            rate = 40 / (elapsed - mark_s)
+            fitted = step + int((cfg.time_limit_s - elapsed) * rate)
+            schedule = schedule.model_copy(update={"max_steps": max(step + 1, min(cfg.max_steps, fitted))})
             bar.total = schedule.max_steps
-            log.info("fitted the schedule to the time limit: %d steps", schedule.max_steps)
+            log.debug("fitted the schedule to the time limit: %d steps", schedule.max_steps)
+        if (step - first_step) % 40 == 0:
+            mark_s = elapsed
         if step % 10 == 0 or step == schedule.max_steps:
             metrics = {"loss": round(loss.item(), 4), "epoch": epoch,
                        "accuracy": [round(a, 4) for a in accuracy.tolist()],
