@@ -4,6 +4,7 @@
 into a process group and sends each step plan to every rank over ZMQ (ipc on one node, tcp across
 nodes); rank 0 sends the results back. `Coordinator` runs the overlapped loop of `LLMEngine` over
 that executor in a thread and streams each request's tokens as they are accepted."""
+import asyncio
 import logging
 import os
 import pickle
@@ -22,7 +23,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from speculative.config import EngineConfig, SamplingParams
 from speculative.engine import LLMEngine
 from speculative.plan import StepPlan, StepResult
-from speculative.scheduler import RequestOutput
 
 log = logging.getLogger(__name__)
 

@@ -218,3 +218,44 @@ def load_target_weights(model, model_dir: Path) -> None:
     missing = expected - loaded
     if missing:
         raise KeyError(f"{model_dir} lacks weights for {sorted(missing)[:5]}")
+
+
+def init_random_(model: torch.nn.Module) -> None:
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0.0, 0.02)
+
+
+def load_models(cfg, target_cfg, model_dir: Path, group, device: torch.device, dtype: torch.dtype, cache_len: int):
+    """A rank's target and drafter shards (the drafter None for plain decoding), from disk, or
+    random weights built on the device for `random:<shape>` models and the `random` drafter
+    (speed measurements of large shapes)."""
+    from speculative.drafter import DrafterConfig, Eagle3Drafter, drafter_config_for, load_drafter, resolve_drafter
+    from workers.llama import Llama
+    random_target = cfg.model.startswith("random:")
+    drafter_dir = None
+    if cfg.speculative and cfg.drafter != "random":
+        drafter_dir = resolve_drafter(cfg.drafter, cfg.model, target_cfg)
+    # plain decoding captures no aux hidden states (and works for targets of any depth)
+    aux_ids = DrafterConfig.from_hf(load_config(drafter_dir)).aux_layer_ids if drafter_dir else \
+        (None if cfg.speculative else ())
+    with torch.device(device if random_target else "cpu"):
+        target = Llama(target_cfg, group, cache_len, aux_ids)
+    if random_target:
+        init_random_(target)
+    else:
+        load_target_weights(target, model_dir)
+    target.to(device, dtype)
+    drafter = None
+    if cfg.drafter == "random" and cfg.speculative:
+        with torch.device(device):
+            drafter = Eagle3Drafter(drafter_config_for(target_cfg), group=group, max_positions=cache_len,
+                                    embed_tokens=target.embed_tokens)
+        init_random_(drafter)
+    elif drafter_dir is not None:
+        drafter = load_drafter(drafter_dir, group, target.embed_tokens, cache_len)
+    if drafter is not None:
+        drafter.to(device, dtype)
+    return target, drafter

@@ -12,32 +12,18 @@ from dataclasses import dataclass
 import torch
 
 from speculative.config import EngineConfig
-from speculative.drafter import DrafterConfig, load_drafter, resolve_drafter
 from speculative.plan import StepPlan, StepResult
 from speculative.resource_manager import Eagle3ResourceManager
 from speculative.verify import ACCEPT_STREAM, SAMPLE_STREAM, sample, target_probs, uniform, verify_greedy, \
     verify_sampled
 from workers.attention import ForwardBatch, allocate_kv_cache
 from workers.layers import tp_rank_size
-from workers.llama import Llama, LlamaConfig
-from workers.loader import load_config, load_target_weights, resolve_model
+from workers.llama import LlamaConfig
+from workers.device import pick_device, pick_dtype
+from workers.loader import load_config, load_models, resolve_model
 from workers.sync_guard import no_host_sync
 
 log = logging.getLogger(__name__)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' was asked for but no GPU is visible")
-    return torch.device(name)
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
 
 
 @dataclass
@@ -67,14 +53,6 @@ class DraftSeed:
     first_draft: torch.Tensor  # [B]
 
 
-def init_random_(model: torch.nn.Module) -> None:
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.data.fill_(1.0)
-        else:
-            p.data.normal_(0.0, 0.02)
-
-
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, group=None, device: torch.device | None = None):
         self.cfg = cfg
@@ -90,7 +68,8 @@ class ModelRunner:
         self.max_model_len = min(cfg.max_model_len, self.target_cfg.max_position_embeddings)
         # room for K+1 tokens past the last real one, twice (a step in flight may overrun a finished request)
         self.cache_len = self.max_model_len + 2 * (self.K + 1) + 1
-        self._load_models(model_dir)
+        self.target, self.drafter = load_models(cfg, self.target_cfg, model_dir, group, self.device,
+                                                self.dtype, self.cache_len)
         log.info("rank %d: loaded %s (drafter %s) in %.1f s", self.rank, cfg.model, cfg.drafter,
                  time.perf_counter() - start)
         self._allocate()
@@ -99,36 +78,6 @@ class ModelRunner:
         if cfg.cuda_graphs and self.device.type == "cuda":
             with torch.inference_mode():
                 self.capture_graphs()
-
-    def _load_models(self, model_dir) -> None:
-        """Target and drafter shards from disk, or random weights built on the device for
-        `random:<shape>` models and the `random` drafter (speed measurements of large shapes)."""
-        cfg, group = self.cfg, self.group
-        random_target = cfg.model.startswith("random:")
-        drafter_dir = None
-        if cfg.speculative and cfg.drafter != "random":
-            drafter_dir = resolve_drafter(cfg.drafter, cfg.model, self.target_cfg)
-        # plain decoding captures no aux hidden states (and works for targets of any depth)
-        aux_ids = DrafterConfig.from_hf(load_config(drafter_dir)).aux_layer_ids if drafter_dir else \
-            (None if cfg.speculative else ())
-        with torch.device(self.device if random_target else "cpu"):
-            self.target = Llama(self.target_cfg, group, self.cache_len, aux_ids)
-        if random_target:
-            init_random_(self.target)
-        else:
-            load_target_weights(self.target, model_dir)
-        self.target.to(self.device, self.dtype)
-        self.drafter = None
-        if cfg.drafter == "random" and cfg.speculative:
-            from speculative.drafter import Eagle3Drafter, drafter_config_for
-            with torch.device(self.device):
-                self.drafter = Eagle3Drafter(drafter_config_for(self.target_cfg), group=group,
-                                             max_positions=self.cache_len, embed_tokens=self.target.embed_tokens)
-            init_random_(self.drafter)
-        elif drafter_dir is not None:
-            self.drafter = load_drafter(drafter_dir, group, self.target.embed_tokens, self.cache_len)
-        if self.drafter is not None:
-            self.drafter.to(self.device, self.dtype)
 
     def _allocate(self) -> None:
         cfg, tc = self.cfg, self.target_cfg

@@ -12,7 +12,6 @@ import torch
 import zmq
 
 from speculative.config import EngineConfig
-from speculative.plan import StepResult
 
 log = logging.getLogger(__name__)
 RECV_POLL_MS = 200
@@ -46,7 +45,8 @@ class TPWorker:
               collective_timeout_s: float) -> dict:
         """Join the process group, load this rank's shards, connect the step channels."""
         from workers.distributed import init_tp_group
-        from workers.model_runner import ModelRunner, pick_device
+        from workers.device import pick_device
+        from workers.model_runner import ModelRunner
         device = pick_device(self.cfg.device)
         if device.type == "cuda":
             torch.cuda.set_device(0)  # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU

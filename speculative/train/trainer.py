@@ -19,7 +19,7 @@ from speculative.train.target import target_draft_probs, target_features
 from speculative.train.ttt import ttt_forward, ttt_loss
 from workers.llama import Llama, LlamaConfig
 from workers.loader import load_config, load_target_weights, resolve_model
-from workers.model_runner import pick_device, pick_dtype
+from workers.device import pick_device, pick_dtype
 
 log = logging.getLogger(__name__)
 
