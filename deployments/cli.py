@@ -1,4 +1,4 @@
-"""`eagleserve`: generate offline, serve over HTTP, train drafters, benchmark."""
+"""`eagleserve`: generate offline, serve over HTTP, train drafters, benchmark, load-test a server."""
 import argparse
 import json
 import logging
@@ -175,6 +175,36 @@ def cmd_bench(args) -> None:
     print(f"results: {args.output}")
 
 
+def cmd_loadtest(args) -> None:
+    from deployments import bench, loadtest
+    url = loadtest.check_url(args.url, args.allow_remote)
+    if args.num_requests < 1 or args.duration <= 0 or args.timeout <= 0 or args.max_tokens < 1:
+        raise ValueError("--num-requests and --max-tokens must be >= 1, --duration and --timeout > 0")
+    try:
+        concurrency = [int(c) for c in args.concurrency.split(",")] if args.rate is None else None
+        rate = [float(r) for r in args.rate.split(",")] if args.rate is not None else None
+    except ValueError:
+        raise ValueError("--concurrency takes integers and --rate numbers, comma-separated") from None
+    if any(v <= 0 for v in concurrency or rate):
+        raise ValueError("--concurrency and --rate values must be positive")
+    prompts = bench.load_prompts(args.dataset, args.num_requests)
+    runs = loadtest.loadtest(url, prompts, concurrency=concurrency, rate=rate, num_requests=args.num_requests,
+                             duration_s=args.duration, model=args.model, endpoint=args.endpoint,
+                             max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos,
+                             timeout_s=args.timeout, api_key=args.api_key or os.environ.get("EAGLESERVE_API_KEY"),
+                             seed=args.seed)
+    loadtest.print_table(runs)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"url": url, "model": args.model, "endpoint": args.endpoint,
+                                       "max_tokens": args.max_tokens, "runs": runs}, indent=1))
+    if loadtest.plot(runs, args.output.with_suffix(".png")):
+        print(f"plot: {args.output.with_suffix('.png')}")
+    print(f"results: {args.output}")
+    if not any(r["num_ok"] for r in runs):
+        errors = sorted({kind for r in runs for kind in r["errors"]})
+        raise SystemExit(f"error: no request succeeded (errors: {', '.join(errors)})")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="eagleserve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -231,6 +261,27 @@ def main(argv=None) -> None:
     b.add_argument("--max-model-len", type=int, default=1024)
     b.add_argument("-o", "--output", type=Path, default=Path("benchmarks/bench.json"))
     b.set_defaults(func=cmd_bench)
+
+    lt = sub.add_parser("loadtest", help="streaming HTTP load on a running server: a concurrency sweep or a "
+                                         "Poisson arrival rate")
+    lt.add_argument("--url", default="http://127.0.0.1:8000", help="the server (loopback unless --allow-remote)")
+    lt.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --url (a real cluster)")
+    lt.add_argument("--model", default="smollm2-135m", help="the request's model field")
+    lt.add_argument("--api-key", default=None, help="sent as Authorization: Bearer (default: $EAGLESERVE_API_KEY)")
+    lt.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    lt.add_argument("--dataset", default=None, help="JSONL of prompts (default: GSM8K test questions)")
+    mode = lt.add_mutually_exclusive_group()
+    mode.add_argument("--concurrency", default="1,4,16", help="comma-separated requests in flight, one level each")
+    mode.add_argument("--rate", default=None, help="comma-separated Poisson arrival rates (req/s) instead")
+    lt.add_argument("--num-requests", type=int, default=64, help="requests per level at most")
+    lt.add_argument("--duration", type=float, default=60.0, help="seconds per level at most (then no new requests)")
+    lt.add_argument("--max-tokens", type=int, default=64)
+    lt.add_argument("--temperature", type=float, default=0.0)
+    lt.add_argument("--ignore-eos", action="store_true", help="every request generates --max-tokens tokens")
+    lt.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    lt.add_argument("--seed", type=int, default=0, help="seeds the arrival times")
+    lt.add_argument("-o", "--output", type=Path, default=Path("benchmarks/loadtest.json"))
+    lt.set_defaults(func=cmd_loadtest)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

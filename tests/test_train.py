@@ -3,7 +3,6 @@ engine, training, resume, export) and the exported drafter's acceptance against 
 import json
 
 import pytest
-import torch
 
 from speculative.config import EngineConfig, SamplingParams
 from speculative.drafter import drafter_config_for, random_drafter_state, save_drafter

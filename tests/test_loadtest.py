@@ -1,0 +1,118 @@
+"""`eagleserve loadtest` against a real Ray Serve app (a tiny random Llama with SmolLM2's tokenizer,
+on loopback): counts, latencies and error kinds, the JSON/plot output, the loopback-only guard."""
+import asyncio
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from deployments import loadtest
+from deployments.bench import load_prompts
+from deployments.cli import main
+from deployments.config import ServeConfig
+from deployments.server import build_app
+from tiny_models import tiny_llama
+from workers.distributed import free_port
+
+KEY = "loadtest-key"
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory):
+    model = str(tiny_llama(tmp_path_factory.mktemp("loadtest") / "tiny"))
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    cfg = ServeConfig(engine={"model": model, "drafter": "none", "max_batch_size": 8, "max_model_len": 512,
+                              "device": "cpu"}, served_model_name="tiny", api_key=KEY)
+    serve.run(build_app(cfg), name="eagleserve", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return load_prompts(None, 8)
+
+
+def _run(base_url, prompts, **kw):
+    args = dict(model="tiny", max_tokens=MAX_TOKENS, ignore_eos=True, api_key=KEY, timeout_s=60) | kw
+    return loadtest.loadtest(base_url, prompts, **args)
+
+
+def _completion_tokens(base_url) -> float:
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    return next(float(line.split()[1]) for line in text.splitlines()
+                if line.startswith("eagleserve_completion_tokens_total"))
+
+
+def test_sweep_all_ok_and_tokens_match_the_server(base_url, prompts):
+    before = _completion_tokens(base_url)
+    runs = _run(base_url, prompts, concurrency=[1, 4], num_requests=8)
+    assert [r["concurrency"] for r in runs] == [1, 4]
+    for r in runs:
+        assert r["num_ok"] == r["num_requests"] == 8 and r["errors"] == {}
+        assert r["output_tokens"] == 8 * MAX_TOKENS
+        assert r["output_tokens_per_s"] > 0 and r["requests_per_s"] > 0
+        assert r["ttft_ms"]["p50"] <= r["e2e_ms"]["p50"] and r["ttft_ms"]["p99"] <= r["e2e_ms"]["p99"]
+        assert r["itl_ms"]["p50"] is not None
+    assert _completion_tokens(base_url) - before == sum(r["output_tokens"] for r in runs)
+
+
+def test_each_request_is_timed_in_order(base_url, prompts):
+    bodies = [loadtest.request_body("completions", "tiny", p, MAX_TOKENS, 0.0, True) for p in prompts[:4]]
+    results, wall_s = asyncio.run(loadtest.run_level(base_url, bodies, concurrency=2, api_key=KEY))
+    assert len(results) == 4
+    for r in results:
+        assert r.error is None and r.num_tokens == MAX_TOKENS  # usage.completion_tokens
+        assert r.sent <= r.first <= r.chunks[-1] <= r.done and 1 <= len(r.chunks) <= MAX_TOKENS
+        assert r.done - r.sent <= wall_s
+
+
+def test_poisson_rate_and_duration_bound(base_url, prompts):
+    [r] = _run(base_url, prompts, rate=[20.0], num_requests=6)
+    assert r["rate"] == 20.0 and r["num_ok"] == 6
+    [r] = _run(base_url, prompts, concurrency=[2], num_requests=10_000, duration_s=1.0)
+    assert 0 < r["num_ok"] == r["num_requests"] < 10_000 and r["wall_s"] < 30
+
+
+def test_errors_are_counted_by_kind(base_url, prompts):
+    [r] = _run(base_url, prompts, concurrency=[2], num_requests=4, api_key="wrong-key")
+    assert r["num_ok"] == 0 and r["errors"] == {"401": 4} and r["ttft_ms"]["p50"] is None
+    [r] = _run(base_url, prompts, concurrency=[2], num_requests=2, timeout_s=0.001)
+    assert r["errors"] == {"timeout": 2}
+    [r] = _run(f"http://127.0.0.1:{free_port()}", prompts, concurrency=[1], num_requests=2)
+    assert r["errors"] == {"connection": 2}
+
+
+def test_cli_writes_table_json_and_plot(base_url, tmp_path, capsys):
+    out = tmp_path / "lt.json"
+    main(["loadtest", "--url", f"{base_url}/v1", "--model", "tiny", "--api-key", KEY, "--concurrency", "1,4",
+          "--num-requests", "8", "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "-o", str(out)])
+    printed = capsys.readouterr().out
+    assert "concurrency" in printed and "ttft p50" in printed and f"results: {out}" in printed
+    data = json.loads(out.read_text())
+    assert data["url"] == base_url and data["model"] == "tiny" and len(data["runs"]) == 2
+    for r in data["runs"]:
+        assert {"concurrency", "num_requests", "num_ok", "errors", "output_tokens", "wall_s", "output_tokens_per_s",
+                "requests_per_s", "ttft_ms", "itl_ms", "e2e_ms"} <= r.keys()
+        assert {"p50", "p99"} <= r["ttft_ms"].keys() and r["num_ok"] == 8
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_non_loopback_url_is_refused():
+    proc = subprocess.run([sys.executable, "-m", "deployments.cli", "loadtest", "--url", "http://10.1.2.3:8000"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "not loopback" in proc.stderr and "--allow-remote" in proc.stderr
+    for url in ("http://127.0.0.1:8000/v1", "http://localhost:8000", "http://[::1]:8000"):
+        assert loadtest.check_url(url, allow_remote=False).endswith(":8000")
+    assert loadtest.check_url("https://cluster.example.com", allow_remote=True) == "https://cluster.example.com"
+    with pytest.raises(ValueError, match="not an http"):
+        loadtest.check_url("127.0.0.1:8000", allow_remote=False)
