@@ -3,7 +3,7 @@ import os
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat
 
 from speculative.config import EngineConfig
 
@@ -30,6 +30,9 @@ class ServeConfig(BaseModel):
     max_request_bytes: int = Field(1 << 20, ge=1024)
     resume_timeout_s: float = Field(30.0, ge=0)   # a stream whose replica fails goes on elsewhere; 0: off
     hung_step_s: float = Field(30.0, gt=0)        # a step running longer fails the health check
+    # what each tensor-parallel rank's placement bundle reserves (e.g. {"CPU": 4, "GPU": 1}); it must hold
+    # what the rank takes (1 GPU on GPUs, 1 CPU on CPUs). None: exactly that
+    rank_resources: dict[str, NonNegativeFloat] | None = None
     ray_address: str | None = None                # join a cluster instead of starting local Ray
 
     @property

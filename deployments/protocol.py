@@ -1,9 +1,11 @@
 """OpenAI API request and response models (the subset served), and OpenAI-style errors."""
+import json
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic.json_schema import models_json_schema
 
 from speculative.config import SamplingParams
 
@@ -20,6 +22,24 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def parse_json_object(body: bytes) -> dict:
+    """A request body as a JSON object, or a 400 that says what is wrong with it."""
+    try:
+        data = json.loads(body)
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply", code="invalid_json") from None
+    except ValueError as e:  # not JSON, not UTF-8/16/32, or an integer over Python's 4300-digit limit
+        raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    try:  # a lone surrogate escape ("\ud800") decodes but is no text: the tokenizer and responses fail on it
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise APIError(400, "request body holds a lone surrogate escape (not valid Unicode text)",
+                       code="invalid_json") from None
+    return data
 
 
 class TextPart(BaseModel):
@@ -40,19 +60,28 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# What the validators below accept, for the OpenAPI schema (pydantic cannot derive it from them)
+_NON_EMPTY = {"type": "string", "minLength": 1}
+_STOP = WithJsonSchema({"anyOf": [_NON_EMPTY, {"type": "array", "items": _NON_EMPTY, "maxItems": 4}, {"type": "null"}]})
+_PROMPT = WithJsonSchema({"anyOf": [
+    _NON_EMPTY, {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+    {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]})
+
+
 class _SamplingRequest(BaseModel):
-    """Fields shared by both endpoints. Options we do not implement are refused, never ignored."""
-    model_config = ConfigDict(extra="allow")
+    """Fields shared by both endpoints. Options we do not implement are refused, never ignored
+    (unknown fields too: `refuse_unknown`, hence no additionalProperties in the schema)."""
+    model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, le=2**31 - 1)  # any k over the vocabulary is no cut; over int64 it failed the step
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, _STOP] = None
     seed: int | None = Field(None, ge=0, lt=2**63)
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
@@ -87,7 +116,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int]
+    prompt: Annotated[str | list[str] | list[int], _PROMPT]
     echo: bool = Field(False)
     max_tokens: int | None = Field(16, ge=1)
 
@@ -122,6 +151,19 @@ def refuse_unknown(req: _SamplingRequest) -> None:
         if name in IGNORED_FIELDS and value in (None, False, [], {}):
             continue
         raise APIError(400, f"unsupported parameter {name!r}", param=name, code="unsupported_parameter")
+
+
+def request_schemas() -> dict:
+    """The request bodies' JSON schemas (and the models they use), as OpenAPI components."""
+    _, top = models_json_schema([(m, "validation") for m in (ChatCompletionRequest, CompletionRequest)],
+                                ref_template="#/components/schemas/{model}")
+    return top["$defs"]
+
+
+def json_body(model: type[BaseModel]) -> dict:
+    """A route's OpenAPI requestBody, for routes that parse their own body (see `request_schemas`)."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 def completion_id(prefix: str) -> str:

@@ -1,87 +1,52 @@
-"""The Ray Serve application: an OpenAI-compatible FastAPI ingress and the LLM server deployment,
-whose every replica owns one tensor-parallel group (its placement group: the replica's bundle plus
-one per rank, STRICT_PACK) and the coordinator that drives it."""
+"""The Ray Serve application: the OpenAI-compatible FastAPI ingress in front of the LLM server
+deployment (deployments/llm_server.py)."""
 import asyncio
 import json
 import logging
-import os
 import time
 import uuid
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
-import ray
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 
 from deployments.config import ServeConfig
+from deployments.llm_server import LLMServer, llm_server_options
 from deployments.metrics import Metrics
-from deployments.protocol import (APIError, ChatCompletionRequest, CompletionRequest, completion_id, now,
-                                  refuse_unknown, usage)
+from deployments.protocol import (APIError, ChatCompletionRequest, CompletionRequest, completion_id, json_body, now,
+                                  parse_json_object, refuse_unknown, request_schemas, usage)
 from speculative.config import SamplingParams
-from speculative.scheduler import RequestError, RequestOutput
+from speculative.scheduler import RequestOutput
 
 log = logging.getLogger("eagleserve.server")
 api = FastAPI(title="eagleserve")
 
 
-@serve.deployment
-class LLMServer:
-    def __init__(self, cfg: ServeConfig):
-        from speculative.coordinator import Coordinator
-        self.cfg = cfg
-        self.coordinator = Coordinator(cfg.engine)
+def _openapi() -> dict:
+    """FastAPI's schema plus the request bodies, which the routes parse themselves (the size limit
+    comes before reading, errors are OpenAI's): clients and fuzzers see the real request schemas."""
+    if api.openapi_schema is None:
+        schema = get_openapi(title=api.title, version=api.version, routes=api.routes)
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(request_schemas())
+        api.openapi_schema = schema
+    return api.openapi_schema
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
-        """Stream RequestOutput deltas; cancellation (client gone) aborts the request."""
-        from speculative.coordinator import EngineDeadError
-        c = self.coordinator
-        scheduler = c.engine.scheduler
-        free_slots = scheduler.num_slots - scheduler.num_running
-        if scheduler.num_waiting + c.commands.qsize() - free_slots >= self.cfg.max_waiting_requests:
-            raise APIError(429, "the server is at capacity; retry later", "rate_limit_error",
-                           code="overloaded", headers={"Retry-After": "1"})
-        sink = asyncio.Queue()
-        try:
-            c.add(request_id, prompt_ids, params, sink, asyncio.get_running_loop())
-        except RequestError as e:
-            raise APIError(400, str(e), code="invalid_request") from None
-        except EngineDeadError as e:
-            raise APIError(503, f"engine unavailable: {e}", "server_error", headers={"Retry-After": "5"}) from None
-        log.info("request %s: %d prompt tokens", request_id, len(prompt_ids))
-        try:
-            while (item := await sink.get()) is not None:
-                if isinstance(item, Exception):
-                    raise APIError(503, f"generation failed: {item}", "server_error")
-                yield item
-        finally:
-            c.abort(request_id)
-            log.info("request %s: done", request_id)
 
-    def stats(self) -> dict:
-        return self.coordinator.stats()
-
-    async def replica_info(self) -> dict:
-        """This replica's process and node, its ranks' (placement checks, fault tests), its step count."""
-        workers = await asyncio.gather(*[w.process_info.remote() for w in self.coordinator.worker_handles()])
-        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "workers": workers,
-                "num_steps": self.coordinator.stats()["num_steps"]}
-
-    def check_health(self) -> None:
-        c = self.coordinator
-        if c.error:
-            raise RuntimeError(f"decode loop failed: {c.error}")
-        if (age := c.step_age_s()) > self.cfg.hung_step_s:
-            # a hung collective: kill the ranks so the step's requests fail now (and resume on another
-            # replica) instead of waiting for Serve to replace this one
-            for w in c.worker_handles():
-                ray.kill(w, no_restart=True)
-            raise RuntimeError(f"a step has been in flight for {age:.0f} s; the TP group is hung")
+api.openapi = _openapi
 
 
 @api.exception_handler(APIError)
 async def _api_error(request: Request, e: APIError):
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, e: StarletteHTTPException):
+    """An unknown path (404) or method (405): an OpenAI-style body too."""
+    return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code, headers=e.headers)
 
 
 @api.middleware("http")
@@ -124,19 +89,24 @@ class OpenAIIngress:
         if key and request.headers.get("authorization") != f"Bearer {key}":
             raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
 
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused (413) by its declared length before reading, or once a chunked one
+        grows past the limit."""
+        limit = self.cfg.max_request_bytes
+        too_large = APIError(413, f"request body over {limit} bytes", code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+        return bytes(body)
+
     async def _parse(self, request: Request, model_cls):
         self._authorize(request)
-        declared = request.headers.get("content-length", "")
-        too_large = declared.isdigit() and int(declared) > self.cfg.max_request_bytes  # refused before reading
-        body = b"" if too_large else await request.body()
-        if too_large or len(body) > self.cfg.max_request_bytes:
-            raise APIError(413, f"request body over {self.cfg.max_request_bytes} bytes", code="request_too_large")
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "request body must be a JSON object", code="invalid_json")
+        data = parse_json_object(await self._read_body(request))
         try:
             req = model_cls.model_validate(data)
         except ValidationError as e:
@@ -247,7 +217,7 @@ class OpenAIIngress:
                 current[0].cancel()
         return StreamingResponse(sse(), media_type="text/event-stream")
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
     async def chat(self, request: Request):
         req = await self._parse(request, ChatCompletionRequest)
         from speculative.engine import encode_prompt
@@ -277,7 +247,7 @@ class OpenAIIngress:
         include = bool(req.stream_options and req.stream_options.include_usage)
         return await self._run(request, "chat", prompt_ids, params, req.stream, chunk, full, include)
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
     async def completions(self, request: Request):
         req = await self._parse(request, CompletionRequest)
         if isinstance(req.prompt, str):
@@ -323,22 +293,6 @@ class OpenAIIngress:
     async def metrics(self):
         return PlainTextResponse(self.metrics.render(await self.stats_handle.stats.remote()),
                                  media_type="text/plain; version=0.0.4")
-
-
-def llm_server_options(cfg: ServeConfig) -> dict:
-    from speculative.coordinator import wants_gpu
-    use_gpu = wants_gpu(cfg.engine)
-    rank_bundle = {"GPU": 1} if use_gpu else {"CPU": 1}
-    # a failed replica is replaced after 3 failed checks; it gets 10 s to drain (its streams resume elsewhere)
-    options = {"placement_group_bundles": [{"CPU": 0.01}] + [rank_bundle] * cfg.engine.tp,
-               "placement_group_strategy": "STRICT_PACK", "max_ongoing_requests": cfg.max_ongoing_requests,
-               "health_check_period_s": 2, "health_check_timeout_s": 30, "graceful_shutdown_timeout_s": 10,
-               "ray_actor_options": {"num_cpus": 0.01}}
-    if cfg.autoscaling:
-        options["autoscaling_config"] = cfg.autoscaling.model_dump()
-    else:
-        options["num_replicas"] = cfg.num_replicas
-    return options
 
 
 def build_app(cfg: ServeConfig | dict):

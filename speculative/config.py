@@ -1,7 +1,10 @@
 """User-facing configuration (pydantic, extra fields forbidden). Never mutated at runtime."""
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+GREEDY_BELOW = 1e-5  # temperatures under it decode greedily, as in vLLM
 
 
 class SamplingParams(BaseModel):
@@ -9,11 +12,17 @@ class SamplingParams(BaseModel):
 
     temperature: float = Field(0.0, ge=0.0, le=2.0)  # 0 means greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)                      # 0 or -1: off
+    top_k: int = Field(0, ge=-1, le=2**31 - 1)        # 0 or -1: off; any k over the vocabulary is no cut
     seed: int | None = Field(None, ge=0, lt=2**63)
     max_tokens: int = Field(256, ge=1)
     stop: list[str] = Field(default_factory=list, max_length=4)
     ignore_eos: bool = False
+
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_is_greedy(cls, t: float) -> float:
+        # below 1e-5 sampling is the argmax anyway, and logits / T overflow float32 (NaN probabilities)
+        return 0.0 if t < GREEDY_BELOW else t
 
     @model_validator(mode="after")
     def _check_stop(self):

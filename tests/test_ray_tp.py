@@ -136,3 +136,11 @@ def test_collective_that_never_completes_times_out():
     assert seconds < 30
     for m in members:
         ray.kill(m)
+
+
+def test_step_failed_survives_the_trip_back():
+    """Rank 0 pickles a StepFailed onto the results socket: its step id and message must arrive."""
+    import pickle
+    from workers.worker import StepFailed
+    error = pickle.loads(pickle.dumps(StepFailed(7, "step 7 failed on rank 0: ValueError: boom")))
+    assert (error.step_id, str(error)) == (7, "step 7 failed on rank 0: ValueError: boom")

@@ -24,6 +24,9 @@ class StepFailed(RuntimeError):
         super().__init__(message)
         self.step_id = step_id
 
+    def __reduce__(self):  # RuntimeError pickles only args[0], and this class needs both
+        return StepFailed, (self.step_id, str(self))
+
 
 @ray.remote(max_concurrency=4)
 class TPWorker:

@@ -1,0 +1,97 @@
+"""The LLM server deployment: every replica owns one tensor-parallel group (its placement group:
+the replica's bundle plus one per rank, STRICT_PACK) and the coordinator that drives it."""
+import asyncio
+import logging
+import os
+
+import ray
+from ray import serve
+
+from deployments.config import ServeConfig
+from deployments.protocol import APIError
+from speculative.config import SamplingParams
+from speculative.scheduler import RequestError
+
+log = logging.getLogger("eagleserve.server")
+
+
+@serve.deployment
+class LLMServer:
+    def __init__(self, cfg: ServeConfig):
+        from speculative.coordinator import Coordinator
+        self.cfg = cfg
+        self.coordinator = Coordinator(cfg.engine)
+        self.num_requests = 0  # accepted by this replica (replica_info)
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
+        """Stream RequestOutput deltas; cancellation (client gone) aborts the request."""
+        from speculative.coordinator import EngineDeadError
+        c = self.coordinator
+        scheduler = c.engine.scheduler
+        free_slots = scheduler.num_slots - scheduler.num_running
+        if scheduler.num_waiting + c.commands.qsize() - free_slots >= self.cfg.max_waiting_requests:
+            raise APIError(429, "the server is at capacity; retry later", "rate_limit_error",
+                           code="overloaded", headers={"Retry-After": "1"})
+        sink = asyncio.Queue()
+        try:
+            c.add(request_id, prompt_ids, params, sink, asyncio.get_running_loop())
+        except RequestError as e:
+            raise APIError(400, str(e), code="invalid_request") from None
+        except EngineDeadError as e:
+            raise APIError(503, f"engine unavailable: {e}", "server_error", headers={"Retry-After": "5"}) from None
+        self.num_requests += 1
+        log.info("request %s: %d prompt tokens", request_id, len(prompt_ids))
+        try:
+            while (item := await sink.get()) is not None:
+                if isinstance(item, Exception):
+                    raise APIError(503, f"generation failed: {item}", "server_error")
+                yield item
+        finally:
+            c.abort(request_id)
+            log.info("request %s: done", request_id)
+
+    def stats(self) -> dict:
+        return self.coordinator.stats()
+
+    async def replica_info(self) -> dict:
+        """This replica's process and node, its ranks' (placement checks, fault tests), its step and
+        request counts."""
+        workers = await asyncio.gather(*[w.process_info.remote() for w in self.coordinator.worker_handles()])
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "workers": workers,
+                "num_steps": self.coordinator.stats()["num_steps"], "num_requests": self.num_requests}
+
+    def check_health(self) -> None:
+        c = self.coordinator
+        if c.error:
+            raise RuntimeError(f"decode loop failed: {c.error}")
+        if (age := c.step_age_s()) > self.cfg.hung_step_s:
+            # a hung collective: kill the ranks so the step's requests fail now (and resume on another
+            # replica) instead of waiting for Serve to replace this one
+            for w in c.worker_handles():
+                ray.kill(w, no_restart=True)
+            raise RuntimeError(f"a step has been in flight for {age:.0f} s; the TP group is hung")
+
+
+def rank_resources(cfg: ServeConfig) -> dict[str, float]:
+    """One rank's placement bundle: what its TPWorker takes (a GPU, or a CPU on the CPU backend), or
+    the configured `rank_resources`, which must hold that."""
+    from speculative.coordinator import wants_gpu
+    needed = "GPU" if wants_gpu(cfg.engine) else "CPU"
+    bundle = dict(cfg.rank_resources or {needed: 1})
+    if bundle.get(needed, 0) < 1:
+        raise ValueError(f"rank_resources {bundle} must hold at least 1 {needed}: each rank takes one")
+    return bundle
+
+
+def llm_server_options(cfg: ServeConfig) -> dict:
+    rank_bundle = rank_resources(cfg)
+    # a failed replica is replaced after 3 failed checks; it gets 10 s to drain (its streams resume elsewhere)
+    options = {"placement_group_bundles": [{"CPU": 0.01}] + [rank_bundle] * cfg.engine.tp,
+               "placement_group_strategy": "STRICT_PACK", "max_ongoing_requests": cfg.max_ongoing_requests,
+               "health_check_period_s": 2, "health_check_timeout_s": 30, "graceful_shutdown_timeout_s": 10,
+               "ray_actor_options": {"num_cpus": 0.01}}
+    if cfg.autoscaling:
+        options["autoscaling_config"] = cfg.autoscaling.model_dump()
+    else:
+        options["num_replicas"] = cfg.num_replicas
+    return options
