@@ -10,6 +10,7 @@ import pytest
 import ray
 from ray import serve
 
+from conftest import DATA
 from deployments import loadtest
 from deployments.bench import load_prompts
 from deployments.cli import main
@@ -17,6 +18,8 @@ from deployments.config import ServeConfig
 from deployments.server import build_app
 from tiny_models import tiny_llama
 from workers.distributed import free_port
+
+GSM8K_TEST = str(DATA / "gsm8k" / "test.jsonl")  # ../shared/data, wherever the checkout is
 
 KEY = "loadtest-key"
 MAX_TOKENS = 8
@@ -38,7 +41,7 @@ def base_url(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    return load_prompts(None, 8)
+    return load_prompts(GSM8K_TEST, 8)
 
 
 def _run(base_url, prompts, **kw):
@@ -93,7 +96,7 @@ def test_errors_are_counted_by_kind(base_url, prompts):
 
 def test_cli_writes_table_json_and_plot(base_url, tmp_path, capsys):
     out = tmp_path / "lt.json"
-    main(["loadtest", "--url", f"{base_url}/v1", "--model", "tiny", "--api-key", KEY, "--concurrency", "1,4",
+    main(["loadtest", "--url", f"{base_url}/v1", "--dataset", GSM8K_TEST, "--model", "tiny", "--api-key", KEY, "--concurrency", "1,4",
           "--num-requests", "8", "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "-o", str(out)])
     printed = capsys.readouterr().out
     assert "concurrency" in printed and "ttft p50" in printed and f"results: {out}" in printed
