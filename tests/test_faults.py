@@ -11,13 +11,11 @@ import time
 
 import httpx
 import pytest
-import ray
 from ray import serve
 
 from deployments.config import ServeConfig
-from deployments.server import build_app
+from serve_app import start_app, stop_app
 from tiny_models import tiny_llama
-from workers.distributed import free_port
 
 PROMPTS = ["The sea", "A story about", "Numbers:", "Once upon a time", "In the city", "Rain falls"]
 MAX_TOKENS = 160
@@ -27,17 +25,13 @@ RECOVERY = {}  # fault -> seconds until two healthy replicas serve again (printe
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     model = str(tiny_llama(tmp_path_factory.mktemp("faults") / "tiny"))
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     cfg = ServeConfig(engine={"model": model, "drafter": "none", "tp": 2, "max_batch_size": 8, "max_model_len": 256,
                               "device": "cpu"}, served_model_name="tiny", num_replicas=2, max_waiting_requests=8,
                       hung_step_s=3)
-    serve.run(build_app(cfg), name="eagleserve", route_prefix="/")
-    yield f"http://127.0.0.1:{port}", serve.get_deployment_handle("LLMServer", app_name="eagleserve")
+    url = start_app(cfg, num_cpus=8)
+    yield url, serve.get_deployment_handle("LLMServer", app_name="eagleserve")
     print("\nrecovery seconds:", json.dumps({k: round(v, 1) for k, v in RECOVERY.items()}))
-    serve.shutdown()
-    ray.shutdown()
+    stop_app()
 
 
 def _body(prompt, max_tokens=MAX_TOKENS, stream=True):

@@ -7,16 +7,14 @@ import json
 
 import httpx
 import pytest
-import ray
 import schemathesis
 from hypothesis import HealthCheck, given, settings, strategies as st
 from ray import serve
 from schemathesis.checks import not_a_server_error
 
 from deployments.config import ServeConfig
-from deployments.server import build_app
+from serve_app import start_app, stop_app
 from tiny_models import tiny_llama
-from workers.distributed import free_port
 
 MODEL = "tiny"
 MAX_BODY = 8192
@@ -27,16 +25,12 @@ FUZZ = settings(max_examples=30, deadline=None, database=None, suppress_health_c
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     model = str(tiny_llama(tmp_path_factory.mktemp("fuzz") / "tiny", layers=2))
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     cfg = ServeConfig(engine={"model": model, "drafter": "none", "max_batch_size": 8, "max_model_len": MAX_MODEL_LEN,
                               "max_num_batched_tokens": 256, "device": "cpu"},
                       served_model_name=MODEL, max_request_bytes=MAX_BODY)
-    serve.run(build_app(cfg), name="eagleserve", route_prefix="/")
-    yield {"url": f"http://127.0.0.1:{port}", "handle": serve.get_deployment_handle("LLMServer", app_name="eagleserve")}
-    serve.shutdown()
-    ray.shutdown()
+    url = start_app(cfg, num_cpus=2)
+    yield {"url": url, "handle": serve.get_deployment_handle("LLMServer", app_name="eagleserve")}
+    stop_app()
 
 
 def _chat(url) -> str:

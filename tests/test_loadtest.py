@@ -7,15 +7,13 @@ import sys
 
 import httpx
 import pytest
-import ray
-from ray import serve
 
 from conftest import DATA
 from deployments import loadtest
 from deployments.bench import load_prompts
 from deployments.cli import main
 from deployments.config import ServeConfig
-from deployments.server import build_app
+from serve_app import start_app, stop_app
 from tiny_models import tiny_llama
 from workers.distributed import free_port
 
@@ -28,15 +26,11 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory):
     model = str(tiny_llama(tmp_path_factory.mktemp("loadtest") / "tiny"))
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     cfg = ServeConfig(engine={"model": model, "drafter": "none", "max_batch_size": 8, "max_model_len": 512,
                               "device": "cpu"}, served_model_name="tiny", api_key=KEY)
-    serve.run(build_app(cfg), name="eagleserve", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    url = start_app(cfg, num_cpus=2)
+    yield url
+    stop_app()
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,8 @@ from ray.cluster_utils import Cluster
 
 from deployments.config import ServeConfig
 from deployments.llm_server import llm_server_options
-from deployments.server import build_app
+from serve_app import run_app, stop_app
 from tiny_models import tiny_llama
-from workers.distributed import free_port
 
 GPUS_PER_NODE = 2
 CPUS_PER_NODE = 5  # room for both replicas' CPU bundles (2 x 2.01): only the GPUs keep them apart
@@ -29,16 +28,13 @@ def cluster(tmp_path_factory):
     workers = [c.add_node(num_cpus=CPUS_PER_NODE, num_gpus=GPUS_PER_NODE) for _ in range(2)]
     c.wait_for_nodes()
     ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
-    port = free_port()
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     cfg = ServeConfig(engine={"model": model, "drafter": "none", "tp": 2, "max_batch_size": 8, "max_model_len": 128,
                               "max_num_batched_tokens": 256, "device": "cpu"},
                       served_model_name="tiny", num_replicas=2, rank_resources={"CPU": 1, "GPU": 1})
-    serve.run(build_app(cfg), name="eagleserve", route_prefix="/")
-    yield {"url": f"http://127.0.0.1:{port}", "head": c.head_node.node_id, "workers": {n.node_id for n in workers},
+    url = run_app(cfg, proxy_location="HeadOnly")
+    yield {"url": url, "head": c.head_node.node_id, "workers": {n.node_id for n in workers},
            "handle": serve.get_deployment_handle("LLMServer", app_name="eagleserve")}
-    serve.shutdown()
-    ray.shutdown()
+    stop_app()
     c.shutdown()
 
 

@@ -7,13 +7,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import ray
 import yaml
-from ray import serve
 
 from deployments.config import ServeConfig
-from deployments.server import build_app
-from workers.distributed import free_port
+from serve_app import start_app, stop_app
 
 MODEL = "smollm2-135m"
 KEY = "test-key"
@@ -23,14 +20,10 @@ QUESTIONS = ["What is 2+2?", "Name a fruit.", "Say hello.", "What color is the s
 
 @pytest.fixture(scope="module")
 def base_url():
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     cfg = ServeConfig(engine={"max_batch_size": 16, "max_model_len": 512}, api_key=KEY, max_waiting_requests=8)
-    serve.run(build_app(cfg), name="eagleserve", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    url = start_app(cfg, num_cpus=4)
+    yield url
+    stop_app()
 
 
 @pytest.fixture(scope="module")
