@@ -46,6 +46,8 @@ class RayExecutor:
         self.cfg = cfg
         self.result_timeout_s = result_timeout_s
         self.timings = ExecutorTimings()
+        self.trace: list[dict] | None = None  # set to a list to record every step's timeline
+        self.sent_at: dict[int, float] = {}
         check_tp_size(cfg)
         use_gpu = wants_gpu(cfg)
         resource = "GPU" if use_gpu else "CPU"
@@ -104,11 +106,13 @@ class RayExecutor:
             sock.send(message)
         self.timings.send_s += time.perf_counter() - start
         self.timings.num_steps += 1
+        if self.trace is not None:
+            self.sent_at[plan.step_id] = (time.time(), len(plan.prefills), len(plan.decode_slots))
         return PendingStep(self, plan.step_id)
 
     def wait_result(self, step_id: int) -> StepResult:
         from workers.worker import StepFailed
-        start = time.perf_counter()
+        start, wall_start = time.perf_counter(), time.time()
         deadline = start + self.result_timeout_s
         while not self.results.poll(50):
             done, _ = ray.wait(self.serving, timeout=0)
@@ -127,6 +131,12 @@ class RayExecutor:
             raise EngineDeadError(str(result))
         assert result.step_id == step_id, f"result of step {result.step_id} while waiting for {step_id}"
         self.timings.execute_s += result.execute_s
+        if self.trace is not None and step_id in self.sent_at:
+            sent_at, num_prefills, num_decodes = self.sent_at.pop(step_id)
+            self.trace.append({"step_id": step_id, "num_prefills": num_prefills, "num_decodes": num_decodes,
+                               "sent_at": sent_at, "received_at": result.received_at,
+                               "launched_at": result.launched_at, "ready_at": result.ready_at,
+                               "waited_at": wall_start, "got_at": time.time(), "device_s": result.device_s})
         return result
 
     def shutdown(self) -> None:

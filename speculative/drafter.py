@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from workers.attention import CachedAttention, ForwardBatch
+from workers.attention import CachedAttention, ForwardBatch, attention_inputs
 from workers.layers import ParallelLMHead, ReplicatedLinear, RMSNorm, Rotary, VocabParallelEmbedding
 from workers.llama import MLP
 from workers.loader import iter_safetensors
@@ -77,7 +77,7 @@ class Eagle3Layer(nn.Module):
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        h = hidden + self.self_attn(x, batch)
+        h = hidden + self.self_attn(x, batch, attention_inputs(batch, self.self_attn, x.dtype))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -39,3 +39,7 @@ class StepResult:
     num_emitted: np.ndarray   # [rows] 1 + accepted drafts (1 for prefill rows)
     execute_s: float = 0.0    # worker host time inside execute, for control-plane measurements
     device_s: float = 0.0     # GPU time from the step's first kernel to its results copy (CUDA events)
+    # rank 0's wall clock (time.time()): plan received, kernels launched, results on the host
+    received_at: float = 0.0
+    launched_at: float = 0.0
+    ready_at: float = 0.0

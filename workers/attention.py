@@ -1,8 +1,14 @@
 """Attention over a preallocated per-slot KV cache, shared by the target and the drafter.
 
-Cache layout per layer: [num_slots + 1, max_len, kv_heads, head_dim]; the last slot is a dummy
-that padding tokens write into. A token at position p is written at row p of its slot, so a
-rejected draft costs nothing: its row is simply overwritten by the next token at p.
+Cache layout per layer: [2 (k, v), num_slots + 1, max_len, kv_heads, head_dim]; the last slot is
+a dummy that padding tokens write into. A token at position p is written at row p of its slot, so
+a rejected draft costs nothing: its row is simply overwritten by the next token at p.
+
+A small model's step is bound by how many kernels it runs, not by their work, so each layer keeps
+its count low: RoPE tables and the mask are built once per forward, queries and keys are rotated
+together, keys and values are gathered together, and the query heads of a KV group are folded into
+the query length so the attention runs as plain multi-head attention over the KV heads (the
+memory-efficient kernel takes a mask; none of the GQA-aware kernels does).
 """
 from dataclasses import dataclass
 
@@ -21,6 +27,26 @@ class ForwardBatch:
     write_slots: torch.Tensor      # [B, T] slot to write K/V into (pads: the dummy slot)
     write_positions: torch.Tensor  # [B, T] row to write into, clamped to the cache length
     kv_len: int                    # cache rows read per slot (>= every position + 1)
+
+
+@dataclass
+class AttentionInputs:
+    """What every layer of one forward shares: RoPE tables [B, T, 1, D] and the additive mask
+    [B, 1, T * group, S], one row per (token, query head of a KV group)."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    bias: torch.Tensor
+
+
+def attention_inputs(batch: ForwardBatch, attn: "CachedAttention", dtype: torch.dtype) -> AttentionInputs:
+    cos, sin = attn.rotary.tables(batch.positions, dtype)
+    B, T = batch.positions.shape
+    key_pos = torch.arange(batch.kv_len, device=batch.positions.device)
+    hidden_keys = key_pos.view(1, 1, -1) > batch.positions.unsqueeze(-1)          # [B, T, S]
+    bias = torch.zeros(hidden_keys.shape, dtype=dtype, device=hidden_keys.device).masked_fill_(hidden_keys, float("-inf"))
+    group = attn.heads // attn.kv_heads
+    bias = bias.unsqueeze(2).expand(B, T, group, batch.kv_len).reshape(B, 1, T * group, batch.kv_len)
+    return AttentionInputs(cos, sin, bias)
 
 
 def allocate_kv_cache(num_layers: int, num_slots: int, max_len: int, kv_heads: int, head_dim: int,
@@ -44,19 +70,15 @@ class CachedAttention(nn.Module):
         self.rotary = rotary
         self.cache: torch.Tensor | None = None  # [2, slots + 1, max_len, kv_heads, head_dim]
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, inputs: AttentionInputs) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(
-            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
-        q = self.rotary(q.view(B, T, self.heads, self.head_dim), batch.positions)
-        k = self.rotary(k.view(B, T, self.kv_heads, self.head_dim), batch.positions)
-        v = v.view(B, T, self.kv_heads, self.head_dim)
-        self.cache[0].index_put_((batch.write_slots, batch.write_positions), k)
-        self.cache[1].index_put_((batch.write_slots, batch.write_positions), v)
-        keys = self.cache[0][batch.slots, :batch.kv_len].transpose(1, 2)    # [B, kv_heads, S, D]
-        values = self.cache[1][batch.slots, :batch.kv_len].transpose(1, 2)
-        key_pos = torch.arange(batch.kv_len, device=x.device)
-        mask = (key_pos.view(1, 1, -1) <= batch.positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, T, S]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                             enable_gqa=self.heads != self.kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+        H, KV, D = self.heads, self.kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(B, T, H + 2 * KV, D)
+        qk = self.rotary.apply(qkv[:, :, :H + KV], inputs.cos, inputs.sin)
+        self.cache[0].index_put_((batch.write_slots, batch.write_positions), qk[:, :, H:])
+        self.cache[1].index_put_((batch.write_slots, batch.write_positions), qkv[:, :, H + KV:])
+        kv = self.cache[:, batch.slots, :batch.kv_len].transpose(2, 3)           # [2, B, KV, S, D]
+        group = H // KV
+        q = qk[:, :, :H].reshape(B, T, KV, group, D).transpose(1, 2).reshape(B, KV, T * group, D)
+        out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=inputs.bias)  # [B, KV, T * group, D]
+        return self.o_proj(out.view(B, KV, T, group * D).transpose(1, 2).reshape(B, T, H * D))

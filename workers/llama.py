@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.attention import CachedAttention, ForwardBatch
+from workers.attention import AttentionInputs, CachedAttention, ForwardBatch, attention_inputs
 from workers.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, Rotary, RowParallelLinear,
                             VocabParallelEmbedding)
 
@@ -68,8 +68,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, group)
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), batch)
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, inputs: AttentionInputs) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), batch, inputs)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -99,11 +99,12 @@ class Llama(nn.Module):
         if aux_out is None:
             aux_out = ids.new_empty(*ids.shape, len(self.aux_layer_ids) * H, dtype=self.norm.weight.dtype)
         h = self.embed_tokens(ids)
+        inputs = attention_inputs(batch, self.layers[0].self_attn, h.dtype)
         for i, layer in enumerate(self.layers):
             for j, layer_id in enumerate(self.aux_layer_ids):
                 if layer_id == i:
                     aux_out[..., j * H:(j + 1) * H].copy_(h, non_blocking=True)
-            h = layer(h, batch)
+            h = layer(h, batch, inputs)
         return self.norm(h), aux_out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -35,13 +35,16 @@ class StepOutput:
     event: torch.cuda.Event | None
     execute_s: float
     start_event: torch.cuda.Event | None = None
+    received_at: float = 0.0
+    launched_at: float = 0.0
 
     def result(self) -> StepResult:
         device_s = 0.0
         if self.event is not None:
             self.event.synchronize()
             device_s = self.start_event.elapsed_time(self.event) / 1000
-        return StepResult(self.step_id, self.tokens.numpy(), self.num_emitted.numpy(), self.execute_s, device_s)
+        return StepResult(self.step_id, self.tokens.numpy(), self.num_emitted.numpy(), self.execute_s, device_s,
+                          self.received_at, self.launched_at, time.time())
 
 
 @dataclass
@@ -125,7 +128,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
-        start = time.perf_counter()
+        received_at, start = time.time(), time.perf_counter()
         for slot in plan.free_slots:
             self.resources.free(slot)
         for row in plan.prefills:
@@ -140,6 +143,7 @@ class ModelRunner:
             tokens, num_emitted = self._run(plan, inputs)
         output = self._send_back(plan.step_id, tokens, num_emitted, time.perf_counter() - start)
         output.start_event = start_event
+        output.received_at, output.launched_at = received_at, time.time()
         return output
 
     def _prepare(self, plan: StepPlan) -> dict[str, torch.Tensor]:
@@ -176,7 +180,8 @@ class ModelRunner:
 
     def _batch(self, slots, positions, valid, kv_len) -> ForwardBatch:
         dummy = self.resources.dummy_slot
-        kv_len = min(kv_len, self.cache_len)  # the plan rounds kv_len up; the cache may be shorter
+        # rows read per slot: a multiple of 16 (the memory-efficient attention kernel's mask alignment), within the cache
+        kv_len = min(-(-kv_len // 16) * 16, self.cache_len)
         write_slots = torch.where(valid, slots.unsqueeze(1), dummy)
         positions = positions.clamp(max=self.cache_len - 1)
         return ForwardBatch(slots, positions, write_slots, positions, kv_len)
