@@ -17,8 +17,9 @@ QUESTIONS = ["What is 2+2?", "Write a haiku about the sea.", "Name three colors.
              "What is the capital of Japan?"]
 
 
-def _generate(drafter: str, graphs: bool, k: int = 3, check_sync: bool = False, max_tokens: int = 48):
-    cfg = EngineConfig(model=MODEL, drafter=drafter, num_draft_tokens=k, max_batch_size=8, max_model_len=512,
+def _generate(drafter: str, graphs: bool, k: int = 3, check_sync: bool = False, max_tokens: int = 48,
+              max_batch_size: int = 8):
+    cfg = EngineConfig(model=MODEL, drafter=drafter, num_draft_tokens=k, max_batch_size=max_batch_size, max_model_len=512,
                        device="cuda", dtype="float32", cuda_graphs=graphs)
     engine = LLMEngine(cfg)
     engine.executor.check_host_sync = check_sync
@@ -32,6 +33,10 @@ def test_graphs_equal_eager_and_spec_equals_plain():
     assert _generate(DRAFTER, graphs=False) == plain_eager
     assert _generate(DRAFTER, graphs=True) == plain_eager
     assert _generate(DRAFTER, graphs=True, k=5) == plain_eager
+    # two slots for five prompts: prefills join running decodes in mixed steps (graphed prefill,
+    # verify and draft chain replayed in one step)
+    assert _generate(DRAFTER, graphs=True, max_batch_size=2) == plain_eager
+    assert _generate("none", graphs=True, max_batch_size=2) == plain_eager
 
 
 def test_no_host_sync_inside_steps():

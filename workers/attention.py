@@ -81,4 +81,4 @@ class CachedAttention(nn.Module):
         group = H // KV
         q = qk[:, :, :H].reshape(B, T, KV, group, D).transpose(1, 2).reshape(B, KV, T * group, D)
         out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=inputs.bias)  # [B, KV, T * group, D]
-        return self.o_proj(out.view(B, KV, T, group * D).transpose(1, 2).reshape(B, T, H * D))
+        return self.o_proj(out.reshape(B, KV, T, group * D).transpose(1, 2).reshape(B, T, H * D))
