@@ -14,14 +14,15 @@ from workers.loader import load_tokenizer, resolve_model
 
 def run(model, tokenizer, prompts, batch: int, new_tokens: int, lookup: bool) -> dict:
     tokens, start = 0, time.perf_counter()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     for i in range(0, len(prompts), batch):
         chunk = prompts[i:i + batch]
         width = max(len(p) for p in chunk)
-        ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in chunk], device="cuda")
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device="cuda")
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device="cuda")
         extra = {"prompt_lookup_num_tokens": 10} if lookup else {}
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id, **extra)
+                             pad_token_id=pad, **extra)
         for row in out[:, width:]:
             generated = row.tolist()
             tokens += next((j for j, t in enumerate(generated) if t == tokenizer.eos_token_id), len(generated))
