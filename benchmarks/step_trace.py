@@ -4,6 +4,7 @@ for plain and EAGLE-3 with overlap on and off. Answers "why is overlap not faste
 Prints a table per configuration, writes the summaries and the raw timelines as JSON."""
 import argparse
 import json
+from itertools import pairwise
 
 import numpy as np
 
@@ -27,10 +28,10 @@ def summarise(trace: list[dict], wall_s: float) -> dict:
         }
     ordered = sorted(trace, key=lambda t: t["step_id"])
     # host time between a result arriving and the next plan leaving (the scheduler's own work)
-    gaps = [b["sent_at"] - a["got_at"] for a, b in zip(ordered, ordered[1:]) if b["sent_at"] > a["got_at"]]
+    gaps = [b["sent_at"] - a["got_at"] for a, b in pairwise(ordered) if b["sent_at"] > a["got_at"]]
     out["coordinator_gap_ms"] = ms(gaps)
     # the worker idles between finishing one launch and receiving the next plan
-    idle = [max(b["received_at"] - a["launched_at"], 0) for a, b in zip(ordered, ordered[1:])]
+    idle = [max(b["received_at"] - a["launched_at"], 0) for a, b in pairwise(ordered)]
     out["worker_idle_ms"] = ms(idle)
     return out
 

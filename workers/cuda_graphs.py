@@ -30,8 +30,9 @@ class GraphInput:
 
 class StepGraphs:
     def __init__(self, fn, max_batch: int, lengths: list[int], dummy_slot: int, inputs: list[GraphInput],
-                 device, pool=None, max_tokens: int | None = None):
-        self.fn, self.dummy_slot, self.device, self.pool = fn, dummy_slot, device, pool
+                 device, max_tokens: int | None = None):
+        self.fn, self.dummy_slot, self.device = fn, dummy_slot, device
+        self.pool = None  # a memory pool shared with graphs captured before (set by the caller)
         self.batch_buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
         self.lengths = lengths
         self.inputs = inputs
