@@ -5,13 +5,8 @@
 # The GPU checks run in benchmarks/profile_job.sh.
 # Run on the device machine after the .device/ setup calls; writes JSON under $OUT.
 set -uo pipefail
-find /tmp/site/ray/core/src -type f ! -name "*.py" -exec chmod +x {} + 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-M=/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf
-D=${DRAFTER:-speculative/drafters/smollm2-135m}
-DATA=.device/data/gsm8k_test.jsonl
+source "$(dirname "$0")/device_env.sh"
 END=$((SECONDS + ${BUDGET:-540}))
-quiet() { grep -v -i "warn\|dequantiz\|FrontendNotFound\|dashboard\|it/s\]" | tail -${1:-20}; }
 part() {  # part SECONDS_NEEDED command...
     local need=$1; shift
     if (( SECONDS + need > END )); then echo "skipped (time budget): $*"; return; fi

@@ -3,12 +3,7 @@
 # (benchmarks/profile_step.py) and the Ray-path step timeline with overlap on and off
 # (benchmarks/step_trace.py). Run on the device machine after the .device/ setup calls.
 set -uo pipefail
-find /tmp/site/ray/core/src -type f ! -name "*.py" -exec chmod +x {} + 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-M=/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf
-D=${DRAFTER:-speculative/drafters/smollm2-135m}
-DATA=.device/data/gsm8k_test.jsonl
-quiet() { grep -v -i "warn\|dequantiz\|FrontendNotFound\|dashboard\|it/s\]\|USDT" | tail -${1:-40}; }
+source "$(dirname "$0")/device_env.sh"
 EAGLESERVE_GPU_MODEL=$M EAGLESERVE_GPU_DRAFTER=$D timeout 150 python3 tests/test_gpu.py 2>&1 | quiet 12
 timeout 200 python3 benchmarks/profile_step.py --model $M --drafter $D --dataset $DATA --batch ${BATCH:-1,8} \
     -o $OUT/profile_step.json 2>&1 | quiet 20
