@@ -28,6 +28,30 @@ class StepFailed(RuntimeError):
         return StepFailed, (self.step_id, str(self))
 
 
+def step_profiler():
+    """With EAGLESERVE_TORCH_PROFILER_DIR set (like vLLM's VLLM_TORCH_PROFILER_DIR), rank 0 profiles
+    steps EAGLESERVE_PROFILE_FIRST_STEP.. (20 of them) with torch.profiler: a chrome trace and a table of host
+    ops per worker process, to see where a step's launch time goes on the real serving path."""
+    out = os.environ.get("EAGLESERVE_TORCH_PROFILER_DIR")
+    if not out:
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule
+    first = int(os.environ.get("EAGLESERVE_PROFILE_FIRST_STEP", "60"))
+
+    def write(prof):
+        path = os.path.join(out, f"worker-{os.getpid()}")
+        os.makedirs(out, exist_ok=True)
+        prof.export_chrome_trace(path + ".trace.json.gz")
+        with open(path + ".ops.txt", "w") as f:
+            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=50))
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = profile(activities=activities, schedule=schedule(wait=first - 5, warmup=5, active=20, repeat=1),
+                   on_trace_ready=write)
+    prof.start()
+    return prof
+
+
 @ray.remote(max_concurrency=4)
 class TPWorker:
     def __init__(self, cfg: EngineConfig, rank: int, world_size: int):
@@ -47,8 +71,8 @@ class TPWorker:
     def setup(self, master_addr: str, master_port: int, plan_addr: str, result_addr: str,
               collective_timeout_s: float) -> dict:
         """Join the process group, load this rank's shards, connect the step channels."""
-        from workers.distributed import init_tp_group
         from workers.device import pick_device
+        from workers.distributed import init_tp_group
         from workers.model_runner import ModelRunner
         device = pick_device(self.cfg.device)
         if device.type == "cuda":
@@ -79,6 +103,7 @@ class TPWorker:
         sender = threading.Thread(target=self._send_results, args=(outbox,), daemon=True) if self.rank == 0 else None
         if sender:
             sender.start()
+        profiler = step_profiler() if self.rank == 0 else None
         try:
             while not self.stopped.is_set():
                 if not self.plans.poll(RECV_POLL_MS):
@@ -94,7 +119,11 @@ class TPWorker:
                                                       f"{type(e).__name__}: {e}")
                 if sender:
                     outbox.put(output)
+                if profiler:
+                    profiler.step()
         finally:
+            if profiler:
+                profiler.stop()
             if sender:
                 outbox.put(None)
                 sender.join(timeout=5)
