@@ -65,6 +65,12 @@ class ModelRunner:
         self.device = device or pick_device(cfg.device)
         self.dtype = pick_dtype(cfg.dtype, self.device)
         self.check_host_sync = False  # tests turn this on
+        if self.device.type == "cuda":
+            # cuDNN attention builds an execution plan on the host for every new shape (81 ms each,
+            # measured on the H200), and eager forwards (the first draft, sampled verify, long
+            # prefills) meet a new (batch, kv_len) every few steps. The memory-efficient kernel has no
+            # such cost; graphs use it too, so graphed and eager forwards compute the same numbers.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         start = time.perf_counter()
         model_dir = resolve_model(cfg.model)
         self.target_cfg = LlamaConfig.from_hf(load_config(model_dir))
