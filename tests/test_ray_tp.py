@@ -144,3 +144,23 @@ def test_step_failed_survives_the_trip_back():
     from workers.worker import StepFailed
     error = pickle.loads(pickle.dumps(StepFailed(7, "step 7 failed on rank 0: ValueError: boom")))
     assert (error.step_id, str(error)) == (7, "step 7 failed on rank 0: ValueError: boom")
+
+
+def test_step_profiler_profiles_the_steps_after_the_first_n(tmp_path, monkeypatch):
+    """EAGLESERVE_TORCH_PROFILER_DIR makes a worker profile 20 steps and write a trace and a table
+    of host ops; unset, there is no profiler."""
+    from workers.worker import step_profiler
+    assert step_profiler() is None
+    monkeypatch.setenv("EAGLESERVE_TORCH_PROFILER_DIR", str(tmp_path))
+    monkeypatch.setenv("EAGLESERVE_PROFILE_FIRST_STEP", "6")
+    prof = step_profiler()
+    x = torch.ones(8, 8)
+    for step in range(30):
+        x = x @ x / 8
+        prof.step()
+        if step == 20:
+            assert not list(tmp_path.iterdir()), "written before the 20 profiled steps were over"
+    prof.stop()
+    table = next(tmp_path.glob("worker-*.ops.txt")).read_text()
+    assert "aten::mm" in table
+    assert next(tmp_path.glob("worker-*.trace.json.gz")).stat().st_size > 0
