@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 measurement job (issue 6), in priority order, each part skipped once the time budget
 # ($BUDGET seconds, default 540) is spent: our bench with CUDA graphs (plain, EAGLE-3 K=3 with and
-# without overlap; batch 1, 8, 32), the HF reference, the 8B-shaped step floor, K=5, the eager runs.
+# without overlap; batch 1, 8, 32), the HF reference, K=5, the eager runs, the step floors (8B-shaped, SmolLM2).
 # The GPU checks run in benchmarks/profile_job.sh.
 # Run on the device machine after the .device/ setup calls; writes JSON under $OUT.
 set -uo pipefail
@@ -15,7 +15,9 @@ part() {  # part SECONDS_NEEDED command...
 BENCH="python3 -m deployments.cli bench --model $M --drafter $D --dataset $DATA --output-len 256 --num-prompts 8"
 part 120 $BENCH --batch 1,8,32 -k 3 --overlap both --cuda-graphs on -o $OUT/bench_graphs.json
 part 60 python3 benchmarks/hf_reference.py --model $M --dataset $DATA -o $OUT/hf_reference.json
-part 90 python3 benchmarks/step_floor.py -o $OUT/step_floor_8b.json
-part 30 python3 benchmarks/step_floor.py --model $M --drafter $D -o $OUT/step_floor_smollm2.json
 part 60 $BENCH --batch 1,8,32 -k 5 --overlap both --cuda-graphs on --modes eagle -o $OUT/bench_k5.json
 part 90 $BENCH --batch 8 -k 3 --overlap both --cuda-graphs off --modes plain,eagle -o $OUT/bench_eager.json
+part 90 python3 benchmarks/step_floor.py -o $OUT/step_floor_8b.json
+part 30 python3 benchmarks/step_floor.py --model $M --drafter $D -o $OUT/step_floor_smollm2.json
+# At most 8 files come back from the device machine: the plots travel as one tar.
+(cd $OUT && ls *.png >/dev/null 2>&1 && tar cf plots.tar *.png && rm -f *.png)
