@@ -6,6 +6,7 @@ drafts, the target's KV length and the sampling parameters. A plan therefore onl
 slot s": it never needs the previous step's tokens on the host, which is what lets the coordinator
 keep a step in flight."""
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -69,7 +70,8 @@ class ModelRunner:
             # cuDNN attention builds an execution plan on the host for every new shape (81 ms each,
             # measured on the H200), and eager forwards (the first draft, sampled verify, long
             # prefills) meet a new (batch, kv_len) every few steps. The memory-efficient kernel has no
-            # such cost; graphs use it too, so graphed and eager forwards compute the same numbers.
+            # such cost, and graphs use it too. EAGLESERVE_CUDNN_IN_GRAPHS=1 turns cuDNN back on while
+            # graphs are captured (fixed shapes: one plan each), to measure whether it is faster there.
             torch.backends.cuda.enable_cudnn_sdp(False)
         start = time.perf_counter()
         model_dir = resolve_model(cfg.model)
@@ -330,10 +332,14 @@ class ModelRunner:
                                            [GraphInput(torch.long), GraphInput(torch.long)], dev)
             graphs.append(self.chain_graphs)
         pool = None
-        for g in graphs:
-            g.pool = pool
-            g.capture_all()
-            pool = g.pool
+        torch.backends.cuda.enable_cudnn_sdp(os.environ.get("EAGLESERVE_CUDNN_IN_GRAPHS") == "1")
+        try:
+            for g in graphs:
+                g.pool = pool
+                g.capture_all()
+                pool = g.pool
+        finally:
+            torch.backends.cuda.enable_cudnn_sdp(False)
         torch.cuda.synchronize()
         self.graph_pool_bytes = free_before - torch.cuda.mem_get_info()[0]
         log.info("rank %d: captured %d CUDA graphs in %.1f s (%.1f MiB)", self.rank, sum(len(g.graphs) for g in graphs),
