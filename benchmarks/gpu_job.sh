@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 measurement job (issue 6), in priority order, each part skipped once the time budget
 # ($BUDGET seconds, default 540) is spent: our bench with CUDA graphs (plain, EAGLE-3 K=3 with and
-# without overlap; batch 1, 8, 32), the HF reference, K=5, the eager runs, cuDNN in the graphs, the step floors (8B-shaped, SmolLM2).
+# without overlap; batch 1, 8, 32), the HF reference, K=5, the eager runs, cuDNN in the graphs,
+# the step floors (8B-shaped, SmolLM2); all of them fit BUDGET=570.
 # The GPU checks run in benchmarks/profile_job.sh.
 # Run on the device machine after the .device/ setup calls; writes JSON under $OUT.
 set -uo pipefail
