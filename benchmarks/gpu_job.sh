@@ -23,4 +23,4 @@ EAGLESERVE_CUDNN_IN_GRAPHS=1 part 60 $BENCH --batch 8,32 -k 3 --overlap on --cud
 part 90 python3 benchmarks/step_floor.py -o $OUT/step_floor_8b.json
 part 30 python3 benchmarks/step_floor.py --model $M --drafter $D -o $OUT/step_floor_smollm2.json
 # At most 8 files come back from the device machine: more travel as one tar.
-(cd $OUT && (( $(ls | wc -l) > 8 )) && tar cf results.tar --remove-files *)
+if (( $(ls $OUT | wc -l) > 8 )); then (cd $OUT && tar cf results.tar --remove-files *); fi
