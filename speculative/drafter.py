@@ -180,13 +180,30 @@ def drafter_state_dict(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
 
 
 def save_drafter(path: Path, cfg: DrafterConfig, state: dict[str, torch.Tensor],
-                 dtype: torch.dtype | None = None) -> None:
-    """Write config.json + model.safetensors in the standard EAGLE-3 layout."""
+                 dtype: torch.dtype | None = None, max_shard_bytes: int = 15_000_000) -> None:
+    """Write config.json + the weights in the standard EAGLE-3 layout: model.safetensors, or shards
+    of at most `max_shard_bytes` (model-0000i-of-0000n.safetensors + model.safetensors.index.json,
+    the Hugging Face layout) when they do not fit one."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if dtype is not None:
         state = {n: t.to(dtype) if t.is_floating_point() else t for n, t in state.items()}
-    save_file({n: t.contiguous() for n, t in state.items()}, str(path / "model.safetensors"))
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    for name, tensor in state.items():  # in order, a new shard once the current one would overflow
+        size = tensor.numel() * tensor.element_size()
+        if shards[-1] and sum(t.numel() * t.element_size() for t in shards[-1].values()) + size > max_shard_bytes:
+            shards.append({})
+        shards[-1][name] = tensor.contiguous()
+    for old in [*path.glob("model*.safetensors"), path / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)  # a stale file beside the new ones would be loaded too
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"))
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        for name, shard in zip(names, shards):
+            save_file(shard, str(path / name))
+        weight_map = {tensor: name for name, shard in zip(names, shards) for tensor in shard}
+        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}, indent=2))
     (path / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
 
 

@@ -54,6 +54,28 @@ def test_save_load_round_trip(tmp_path, tiny_dir, with_embeddings):
         assert torch.equal(a, b)
 
 
+def test_sharded_save(tmp_path, tiny_dir):
+    """Over `max_shard_bytes` the weights go into Hugging Face style shards with an index, which load
+    to the same drafter; saving again into that directory leaves no stale shard behind."""
+    target_cfg = LlamaConfig.from_hf(load_config(tiny_dir))
+    cfg = drafter_config_for(target_cfg, draft_vocab_size=40)
+    state = random_drafter_state(cfg, seed=5, with_embeddings=True)
+    largest = max(t.numel() * t.element_size() for t in state.values())
+    save_drafter(tmp_path, cfg, state, max_shard_bytes=largest)
+    shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    for shard in tmp_path.glob("*.safetensors"):
+        assert shard.stat().st_size <= largest + 4096  # + the safetensors header
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index.keys() == state.keys() and set(index.values()) == set(shards)
+    loaded = drafter_state_dict(load_drafter(tmp_path))
+    assert all(torch.equal(loaded[n], t) for n, t in state.items())
+    save_drafter(tmp_path, cfg, state)
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
+    assert not (tmp_path / "model.safetensors.index.json").exists()
+    assert all(torch.equal(drafter_state_dict(load_drafter(tmp_path))[n], t) for n, t in state.items())
+
+
 # ---- the EAGLE authors' layout ----
 
 def write_authors_checkpoint(path, target_cfg: LlamaConfig, draft_vocab_size: int, seed: int = 0):

@@ -8,6 +8,7 @@ from speculative.config import EngineConfig, SamplingParams
 from speculative.drafter import drafter_config_for, random_drafter_state, save_drafter
 from speculative.engine import LLMEngine, encode_prompt
 from speculative.train.config import DistillConfig, TrainConfig
+from speculative.train.data import length_sorted_chunks
 from speculative.train.pipeline import train_drafter
 from speculative.train.ttt import ttt_mask
 from workers.llama import LlamaConfig
@@ -26,6 +27,14 @@ def test_ttt_mask_matches_inference_cache():
     assert m[t, 1].tolist() == [False, False, False, True, False]
     assert m[t, 2].tolist() == [False, False, False, False, True]
     assert m.sum(dim=(1, 2)).min() >= 1  # every row reads at least its own key: no NaN rows
+
+
+def test_length_sorted_chunks():
+    """Prompts over the limit are dropped; each chunk of the kept ones is sorted by length, and
+    the chunks keep the input's order (so a time limit still sees the shuffled mix)."""
+    prompts = [[0] * n for n in (5, 2, 9, 4, 7, 1, 3, 8)]
+    out = [len(p) for p in length_sorted_chunks(iter(prompts), chunk=3, max_len=8)]
+    assert out == [2, 4, 5, 1, 3, 7, 8]
 
 
 def tiny_target(path):

@@ -2,6 +2,7 @@
 as flat int32 token arrays with offsets in safetensors, the draft vocabulary, and length-bucketed
 batches. Target features and distributions are not stored: they are recomputed per batch."""
 import gzip
+import itertools
 import json
 import random
 import time
@@ -69,7 +70,8 @@ def self_distill(engine, cfg: DistillConfig) -> TokenStore:
     from speculative.engine import encode_prompt
     texts = read_prompts(cfg.prompt_files)
     random.Random(cfg.seed).shuffle(texts)
-    encoded = (ids for ids in (encode_prompt(engine.tokenizer, t) for t in texts) if len(ids) <= cfg.max_prompt_len)
+    encoded = length_sorted_chunks((encode_prompt(engine.tokenizer, t) for t in texts), 4 * engine.executor.num_slots,
+                                   cfg.max_prompt_len)
     rng = random.Random(cfg.seed + 1)
     greedy = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens)
     eos = engine.tokenizer.eos_token_id
@@ -106,6 +108,15 @@ def self_distill(engine, cfg: DistillConfig) -> TokenStore:
         seqs.append(r.prompt_ids + response)
         prompt_lens.append(len(r.prompt_ids))
     return TokenStore.from_lists(seqs, prompt_lens)
+
+
+def length_sorted_chunks(encoded, chunk: int, max_len: int):
+    """Prompts of at most `max_len` tokens, sorted by length within consecutive chunks: a wave of
+    admissions then holds prompts of similar length, so its prefill pads little and the running
+    batch reads a smaller KV bucket. Chunks keep the shuffled mix, whenever the time limit stops."""
+    kept = (ids for ids in encoded if len(ids) <= max_len)
+    while part := list(itertools.islice(kept, chunk)):
+        yield from sorted(part, key=len)
 
 
 def draft_vocab(store: TokenStore, vocab_size: int, draft_vocab_size: int,

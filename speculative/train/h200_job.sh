@@ -13,8 +13,10 @@ mkdir -p /tmp/eagle "$OUT/drafter"
 if [[ " $PARTS " == *" train "* ]]; then
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
     python3 -m deployments.cli -v train-drafter --config "$CONFIG" 2>&1 | tee "$OUT/train.log" | grep -v "^\s*$" | tail -c 4000
-    cp $DRAFTER/*.json $DRAFTER/model.safetensors "$OUT/drafter/" 2>/dev/null
-    cp $DRAFTER.ckpt/vocab_coverage.json "$OUT/drafter/" 2>/dev/null
+    # at most 8 files of at most 16 MiB come back: the weight shards as they are, the JSON in one tar
+    cp $DRAFTER.ckpt/vocab_coverage.json $DRAFTER/ 2>/dev/null
+    cp $DRAFTER/*.safetensors "$OUT/drafter/"
+    (cd $DRAFTER && tar cf "$OUT/drafter/json.tar" *.json)
 fi
 if [[ " $PARTS " == *" acceptance "* ]]; then
     python3 benchmarks/acceptance.py --model "$MODEL" --drafter $DRAFTER --k ${BENCH_K:-3 5} --temperatures ${BENCH_T:-0 0.7} \
