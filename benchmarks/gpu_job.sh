@@ -1,26 +1,36 @@
 #!/usr/bin/env bash
-# The H200 measurement job (issue 6), in priority order, each part skipped once the time budget
-# ($BUDGET seconds, default 540) is spent: our bench with CUDA graphs (plain, EAGLE-3 K=3 with and
-# without overlap; batch 1, 8, 32), the HF reference, K=5, the eager runs, cuDNN in the graphs,
-# the step floors (8B-shaped, SmolLM2); all of them fit BUDGET=570.
-# The GPU checks run in benchmarks/profile_job.sh.
-# Run on the device machine after the .device/ setup calls; writes JSON under $OUT.
+# The H200 measurement job (issue 6). Parts, in priority order (PARTS="..." picks some; default all),
+# each skipped once the time budget ($BUDGET seconds, default 540) would be overrun:
+#   graphs    plain, EAGLE-3 K=3 with and without overlap; batch 1, 8, 32; CUDA graphs
+#   firstdraft EAGLE-3 K=3 and K=5 with overlap, the first draft forward captured with the verify pass
+#   hf        Hugging Face generate (plain, prompt lookup) on the same prompts
+#   k5        EAGLE-3 K=5 with and without overlap
+#   cudnn     cuDNN attention inside the captured graphs (eager forwards never use it; see ModelRunner)
+#   eager     the graphs-off grid: plain and EAGLE-3 K=3, overlap on and off, batch 1, 8, 32
+#   floor     per-step time against the weight-reading floor (8B-shaped random weights, SmolLM2)
+# The GPU checks run in benchmarks/profile_job.sh. Run on the device machine after the .device/
+# setup calls; writes JSON under $OUT.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 END=$((SECONDS + ${BUDGET:-540}))
-part() {  # part SECONDS_NEEDED command...
-    local need=$1; shift
-    if (( SECONDS + need > END )); then echo "skipped (time budget): $*"; return; fi
+PARTS=" ${PARTS:-graphs firstdraft hf k5 cudnn eager floor} "
+part() {  # part NAME SECONDS_NEEDED command...
+    local name=$1 need=$2; shift 2
+    [[ "$PARTS" == *" $name "* ]] || return
+    if (( SECONDS + need > END )); then echo "skipped (time budget): $name"; return; fi
+    echo "== $name"
     timeout $((END - SECONDS)) "$@" 2>&1 | quiet 16
 }
 BENCH="python3 -m deployments.cli bench --model $M --drafter $D --dataset $DATA --output-len 256 --num-prompts 8"
-part 120 $BENCH --batch 1,8,32 -k 3 --overlap both --cuda-graphs on -o $OUT/bench_graphs.json
-part 60 python3 benchmarks/hf_reference.py --model $M --dataset $DATA -o $OUT/hf_reference.json
-part 60 $BENCH --batch 1,8,32 -k 5 --overlap both --cuda-graphs on --modes eagle -o $OUT/bench_k5.json
-part 150 $BENCH --batch 1,8,32 -k 3 --overlap both --cuda-graphs off --modes plain,eagle -o $OUT/bench_eager.json
-# A/B: cuDNN attention inside the captured graphs (eager forwards never use it; see ModelRunner).
-EAGLESERVE_CUDNN_IN_GRAPHS=1 part 60 $BENCH --batch 8,32 -k 3 --overlap on --cuda-graphs on -o $OUT/bench_cudnn_graphs.json
-part 90 python3 benchmarks/step_floor.py -o $OUT/step_floor_8b.json
-part 30 python3 benchmarks/step_floor.py --model $M --drafter $D -o $OUT/step_floor_smollm2.json
+part graphs 120 $BENCH --batch 1,8,32 -k 3 --overlap both --cuda-graphs on -o $OUT/bench_graphs.json
+part firstdraft 70 $BENCH --batch 1,8,32 -k 3,5 --overlap on --cuda-graphs on --modes eagle --graph-first-draft \
+    -o $OUT/bench_first_draft_graphed.json
+part hf 60 python3 benchmarks/hf_reference.py --model $M --dataset $DATA -o $OUT/hf_reference.json
+part k5 60 $BENCH --batch 1,8,32 -k 5 --overlap both --cuda-graphs on --modes eagle -o $OUT/bench_k5.json
+EAGLESERVE_CUDNN_IN_GRAPHS=1 part cudnn 60 $BENCH --batch 8,32 -k 3 --overlap on --cuda-graphs on \
+    -o $OUT/bench_cudnn_graphs.json
+part eager 150 $BENCH --batch 1,8,32 -k 3 --overlap both --cuda-graphs off --modes plain,eagle -o $OUT/bench_eager.json
+part floor 90 python3 benchmarks/step_floor.py -o $OUT/step_floor_8b.json
+part floor 30 python3 benchmarks/step_floor.py --model $M --drafter $D -o $OUT/step_floor_smollm2.json
 # At most 8 files come back from the device machine: more travel as one tar.
 if (( $(ls $OUT | wc -l) > 8 )); then (cd $OUT && tar cf results.tar --remove-files *); fi

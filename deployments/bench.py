@@ -91,7 +91,7 @@ def run_load(coordinator, prompts: list[list[int]], params: SamplingParams, conc
 
 def bench(model: str, drafter: str, ks: list[int], modes: list[str], graphs: list[bool], overlaps: list[bool],
           batches: list[int], prompts_text: list[str], output_len: int, ignore_eos: bool, device: str,
-          max_model_len: int, prompts_per_batch: int) -> list[dict]:
+          max_model_len: int, prompts_per_batch: int, graph_first_draft: bool = False) -> list[dict]:
     from speculative.coordinator import Coordinator
     from speculative.engine import encode_prompt
     from workers.loader import load_tokenizer, resolve_model
@@ -104,7 +104,7 @@ def bench(model: str, drafter: str, ks: list[int], modes: list[str], graphs: lis
     for mode, k, use_graphs in engines:
         cfg = EngineConfig(model=model, drafter=drafter if mode == "eagle" else "none", num_draft_tokens=max(k, 1),
                            max_batch_size=max(batches), max_model_len=max_model_len, device=device,
-                           cuda_graphs=use_graphs)
+                           cuda_graphs=use_graphs, graph_first_draft=graph_first_draft)
         start = time.perf_counter()
         coordinator = Coordinator(cfg)
         startup_s = time.perf_counter() - start
@@ -115,6 +115,7 @@ def bench(model: str, drafter: str, ks: list[int], modes: list[str], graphs: lis
                 n = max(prompts_per_batch, 2 * batch)
                 result = run_load(coordinator, (prompts * (n // len(prompts) + 1))[:n], params, batch)
                 runs.append({"mode": mode, "k": k, "cuda_graphs": use_graphs, "overlap": overlap, "batch": batch,
+                             "graph_first_draft": graph_first_draft and use_graphs and mode == "eagle",
                              "startup_s": startup_s, **result})
                 bar.update()
         finally:

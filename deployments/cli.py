@@ -164,7 +164,8 @@ def cmd_bench(args) -> None:
     try:
         runs = bench.bench(args.model, args.drafter, [int(k) for k in args.k.split(",")], args.modes.split(","),
                            on[args.cuda_graphs], on[args.overlap], [int(b) for b in args.batch.split(",")], prompts,
-                           args.output_len, args.ignore_eos, args.device, args.max_model_len, args.num_prompts)
+                           args.output_len, args.ignore_eos, args.device, args.max_model_len, args.num_prompts,
+                           graph_first_draft=args.graph_first_draft)
     finally:
         ray.shutdown()
     bench.print_table(runs)
@@ -255,6 +256,8 @@ def main(argv=None) -> None:
     b.add_argument("-k", default="3", help="comma-separated draft lengths")
     b.add_argument("--cuda-graphs", choices=["on", "off", "both"], default="on")
     b.add_argument("--overlap", choices=["on", "off", "both"], default="on")
+    b.add_argument("--graph-first-draft", action="store_true",
+                   help="capture the first draft forward in the verify graph (default: eager)")
     b.add_argument("--output-len", type=int, default=256)
     b.add_argument("--ignore-eos", action="store_true")
     b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

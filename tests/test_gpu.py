@@ -18,9 +18,9 @@ QUESTIONS = ["What is 2+2?", "Write a haiku about the sea.", "Name three colors.
 
 
 def _generate(drafter: str, graphs: bool, k: int = 3, check_sync: bool = False, max_tokens: int = 48,
-              max_batch_size: int = 8):
+              max_batch_size: int = 8, graph_first_draft: bool = False):
     cfg = EngineConfig(model=MODEL, drafter=drafter, num_draft_tokens=k, max_batch_size=max_batch_size, max_model_len=512,
-                       device="cuda", dtype="float32", cuda_graphs=graphs)
+                       device="cuda", dtype="float32", cuda_graphs=graphs, graph_first_draft=graph_first_draft)
     engine = LLMEngine(cfg)
     engine.executor.check_host_sync = check_sync
     prompts = [encode_prompt(engine.tokenizer, q) for q in QUESTIONS]
@@ -37,12 +37,16 @@ def test_graphs_equal_eager_and_spec_equals_plain():
     # verify and draft chain replayed in one step)
     assert _generate(DRAFTER, graphs=True, max_batch_size=2) == plain_eager
     assert _generate("none", graphs=True, max_batch_size=2) == plain_eager
+    # the first draft forward captured with the verify pass
+    assert _generate(DRAFTER, graphs=True, graph_first_draft=True) == plain_eager
+    assert _generate(DRAFTER, graphs=True, k=5, max_batch_size=2, graph_first_draft=True) == plain_eager
 
 
 def test_no_host_sync_inside_steps():
     plain = _generate("none", graphs=True, max_tokens=16)
     assert _generate(DRAFTER, graphs=True, check_sync=True, max_tokens=16) == plain
     assert _generate(DRAFTER, graphs=False, check_sync=True, max_tokens=16) == plain
+    assert _generate(DRAFTER, graphs=True, check_sync=True, max_tokens=16, graph_first_draft=True) == plain
 
 
 if __name__ == "__main__":

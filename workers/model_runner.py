@@ -85,6 +85,7 @@ class ModelRunner:
         log.info("rank %d: loaded %s (drafter %s) in %.1f s", self.rank, cfg.model, cfg.drafter,
                  time.perf_counter() - start)
         self._allocate()
+        self.graph_first_draft = cfg.graph_first_draft and self.drafter is not None
         self.verify_graphs = self.chain_graphs = self.prefill_graphs = None
         self.graph_pool_bytes = 0
         if cfg.cuda_graphs and self.device.type == "cuda":
@@ -245,22 +246,41 @@ class ModelRunner:
         return target_probs(logits, self.temperature[slots], top_k, self.top_p[slots])
 
     def _verify(self, plan: StepPlan, slots: torch.Tensor):
-        K, B = self.K, slots.shape[0]
-        if self.verify_graphs is not None and plan.all_greedy and self.verify_graphs.fits(B, plan.kv_len):
+        B = slots.shape[0]
+        is_graphed = self.verify_graphs is not None and plan.all_greedy and self.verify_graphs.fits(B, plan.kv_len)
+        if is_graphed and self.graph_first_draft:
+            tokens, emitted, base, last, first_draft = self.verify_graphs(slots, kv_len=plan.kv_len)
+            return tokens, emitted, DraftSeed(slots, last, base + emitted - 1, first_draft)
+        if is_graphed:
             tokens, emitted, base = self.verify_graphs(slots, kv_len=plan.kv_len)
         else:
             tokens, emitted, base = self._verify_target(slots, kv_len=plan.kv_len, plan=plan)
         seed = None
-        if self.drafter is not None:  # first draft forward: eager, over accepted + 1 tokens per row
-            rows = torch.arange(B, device=self.device)
-            accepted = emitted - 1
-            positions = base.unsqueeze(1) + torch.arange(K + 1, device=self.device)
-            valid = torch.arange(K + 1, device=self.device) <= accepted.unsqueeze(1)
-            dbatch = self._batch(slots, positions, valid, plan.kv_len)
-            h = self.drafter(tokens, self.resources.feature_view(B, K + 1), dbatch, from_features=True)
-            last = h[rows, accepted]
-            seed = DraftSeed(slots, last, base + accepted, self.drafter.propose(last))
+        if self.drafter is not None:
+            last, first_draft = self._first_draft(slots, tokens, emitted, base, plan.kv_len)
+            seed = DraftSeed(slots, last, base + emitted - 1, first_draft)
         return tokens, emitted, seed
+
+    def _first_draft(self, slots, tokens, emitted, base, kv_len: int):
+        """The first draft forward over the accepted + 1 tokens of each row (tokens [B, K+1], padded
+        past emitted [B]), fed by the target features the verify pass captured. -> the drafter's
+        output at the last accepted token [B, H], first draft [B]."""
+        K, B = self.K, slots.shape[0]
+        rows = torch.arange(B, device=self.device)
+        accepted = emitted - 1
+        positions = base.unsqueeze(1) + torch.arange(K + 1, device=self.device)
+        valid = torch.arange(K + 1, device=self.device) <= accepted.unsqueeze(1)
+        dbatch = self._batch(slots, positions, valid, kv_len)
+        h = self.drafter(tokens, self.resources.feature_view(B, K + 1), dbatch, from_features=True)
+        last = h[rows, accepted]
+        return last, self.drafter.propose(last)
+
+    def _verify_and_first_draft(self, slots: torch.Tensor, kv_len: int):
+        """Greedy verify pass and first draft forward as one CUDA graph (`graph_first_draft`): the
+        first draft's shape is fixed at [B, K+1] (rows past the accepted tokens write to the dummy
+        slot), so it can be captured, which saves its ~40 eager launches in every step."""
+        tokens, emitted, base = self._verify_target(slots, kv_len)
+        return (tokens, emitted, base) + self._first_draft(slots, tokens, emitted, base, kv_len)
 
     def _verify_target(self, slots: torch.Tensor, kv_len: int, plan: StepPlan | None = None):
         """Target forward over [pending token, drafts] per row, verification and the slot-state
@@ -325,7 +345,8 @@ class ModelRunner:
         self.prefill_graphs = StepGraphs(self._prefill_forward, slots, prompt_lengths, dummy,
                                          [GraphInput(torch.long, pad=1), GraphInput(torch.long, per_token=True)],
                                          dev, max_tokens=max_tokens)
-        self.verify_graphs = StepGraphs(self._verify_target, slots, kv_buckets(self.cache_len), dummy, [], dev)
+        verify = self._verify_and_first_draft if self.graph_first_draft else self._verify_target
+        self.verify_graphs = StepGraphs(verify, slots, kv_buckets(self.cache_len), dummy, [], dev)
         graphs = [self.prefill_graphs, self.verify_graphs]
         if self.drafter is not None and self.K > 1:
             self.chain_graphs = StepGraphs(self._draft_steps, slots, kv_buckets(self.cache_len), dummy,
