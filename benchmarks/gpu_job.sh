@@ -5,7 +5,7 @@
 #   firstdraft EAGLE-3 K=3 and K=5 with overlap, the first draft forward captured with the verify pass
 #   hf        Hugging Face generate (plain, prompt lookup) on the same prompts
 #   k5        EAGLE-3 K=5 with and without overlap
-#   cudnn     cuDNN attention inside the captured graphs (eager forwards never use it; see ModelRunner)
+#   cudnn     the graphs captured with the memory-efficient attention kernel instead of cuDNN's (A/B)
 #   eager     the graphs-off grid: plain and EAGLE-3 K=3, overlap on and off, batch 1, 8, 32
 #   floor     per-step time against the weight-reading floor (8B-shaped random weights, SmolLM2)
 # The GPU checks run in benchmarks/profile_job.sh. Run on the device machine after the .device/
@@ -27,8 +27,8 @@ part firstdraft 70 $BENCH --batch 1,8,32 -k 3,5 --overlap on --cuda-graphs on --
     -o $OUT/bench_first_draft_graphed.json
 part hf 60 python3 benchmarks/hf_reference.py --model $M --dataset $DATA -o $OUT/hf_reference.json
 part k5 60 $BENCH --batch 1,8,32 -k 5 --overlap both --cuda-graphs on --modes eagle -o $OUT/bench_k5.json
-EAGLESERVE_CUDNN_IN_GRAPHS=1 part cudnn 60 $BENCH --batch 8,32 -k 3 --overlap on --cuda-graphs on \
-    -o $OUT/bench_cudnn_graphs.json
+EAGLESERVE_CUDNN_IN_GRAPHS=0 part cudnn 60 $BENCH --batch 8,32 -k 3 --overlap on --cuda-graphs on \
+    -o $OUT/bench_no_cudnn_graphs.json
 part eager 150 $BENCH --batch 1,8,32 -k 3 --overlap both --cuda-graphs off --modes plain,eagle -o $OUT/bench_eager.json
 part floor 90 python3 benchmarks/step_floor.py -o $OUT/step_floor_8b.json
 part floor 30 python3 benchmarks/step_floor.py --model $M --drafter $D -o $OUT/step_floor_smollm2.json
