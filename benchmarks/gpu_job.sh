@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 measurement job (issue 6). Parts, in priority order (PARTS="..." picks some; default all),
-# each skipped once the time budget ($BUDGET seconds, default 540) would be overrun:
+# each skipped once the time budget ($BUDGET seconds, default 540) would be overrun (all: ~800 s):
 #   graphs    plain, EAGLE-3 K=3 with and without overlap; batch 1, 8, 32; CUDA graphs
 #   firstdraft EAGLE-3 K=3 and K=5 with overlap, the first draft forward captured with the verify pass
 #   hf        Hugging Face generate (plain, prompt lookup) on the same prompts
@@ -21,15 +21,16 @@ part() {  # part NAME SECONDS_NEEDED command...
     echo "== $name"
     timeout $((END - SECONDS)) "$@" 2>&1 | quiet 16
 }
-BENCH="python3 -m deployments.cli bench --model $M --drafter $D --dataset $DATA --output-len 256 --num-prompts 8"
-part graphs 120 $BENCH --batch 1,8,32 -k 3 --overlap both --cuda-graphs on -o $OUT/bench_graphs.json
-part firstdraft 70 $BENCH --batch 1,8,32 -k 3,5 --overlap on --cuda-graphs on --modes eagle --graph-first-draft \
+# 32 requests per level at least: with 8, a batch-8 EAGLE-3 level ran for 0.6 s, where a 60 ms stall is 10%
+BENCH="python3 -m deployments.cli bench --model $M --drafter $D --dataset $DATA --output-len 256 --num-prompts 32"
+part graphs 180 $BENCH --batch 1,8,32 -k 3 --overlap both --cuda-graphs on -o $OUT/bench_graphs.json
+part firstdraft 100 $BENCH --batch 1,8,32 -k 3,5 --overlap on --cuda-graphs on --modes eagle --graph-first-draft \
     -o $OUT/bench_first_draft_graphed.json
 part hf 60 python3 benchmarks/hf_reference.py --model $M --dataset $DATA -o $OUT/hf_reference.json
-part k5 60 $BENCH --batch 1,8,32 -k 5 --overlap both --cuda-graphs on --modes eagle -o $OUT/bench_k5.json
-EAGLESERVE_CUDNN_IN_GRAPHS=0 part cudnn 60 $BENCH --batch 8,32 -k 3 --overlap on --cuda-graphs on \
+part k5 90 $BENCH --batch 1,8,32 -k 5 --overlap both --cuda-graphs on --modes eagle -o $OUT/bench_k5.json
+EAGLESERVE_CUDNN_IN_GRAPHS=0 part cudnn 80 $BENCH --batch 8,32 -k 3 --overlap on --cuda-graphs on \
     -o $OUT/bench_no_cudnn_graphs.json
-part eager 150 $BENCH --batch 1,8,32 -k 3 --overlap both --cuda-graphs off --modes plain,eagle -o $OUT/bench_eager.json
+part eager 150 $BENCH --num-prompts 8 --batch 1,8,32 -k 3 --overlap both --cuda-graphs off --modes plain,eagle -o $OUT/bench_eager.json
 part floor 90 python3 benchmarks/step_floor.py -o $OUT/step_floor_8b.json
 part floor 30 python3 benchmarks/step_floor.py --model $M --drafter $D -o $OUT/step_floor_smollm2.json
 # At most 8 files come back from the device machine: more travel as one tar.
