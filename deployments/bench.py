@@ -6,6 +6,7 @@ import gzip
 import itertools
 import json
 import queue
+import threading
 import time
 from pathlib import Path
 
@@ -40,37 +41,79 @@ def _percentiles(values: list[float]) -> dict:
     return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
 
 
+class GpuUtilization:
+    """NVML's GPU utilization (the share of time at least one kernel ran: nvidia-smi's GPU-Util),
+    polled in a thread while a level runs; the mean of the busiest GPU. Unlike CUDA events around
+    each step, it counts the gaps inside a step as idle, so it stays valid with overlap. None
+    without NVML (no GPU, or no nvidia-ml-py)."""
+
+    def __init__(self, interval_s: float = 0.05):
+        self.interval_s = interval_s
+        self.samples: list[list[int]] = []  # per poll, per GPU: percent
+        self._stop = threading.Event()
+        self._thread = None
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            self._read = lambda h: pynvml.nvmlDeviceGetUtilizationRates(h).gpu
+        except Exception:  # no pynvml, no driver, no GPU
+            self._handles = []
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.samples.append([self._read(h) for h in self._handles])
+
+    def __enter__(self) -> "GpuUtilization":
+        if self._handles:
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    @property
+    def busy_fraction(self) -> float | None:
+        if not self.samples:
+            return None
+        return max(sum(gpu) / len(gpu) for gpu in zip(*self.samples)) / 100
+
+
 def run_load(coordinator, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> dict:
     """Keep `concurrency` requests in flight until all prompts are done; time every delta."""
     sink: queue.Queue = queue.Queue()
     before = coordinator.stats()
     device_before = before["device_s"]
-    start = time.perf_counter()
-    submitted, done, tokens = 0, 0, 0
-    sent_at, first_at, last_at, itl = {}, {}, {}, []
-    while done < len(prompts):
-        while submitted < len(prompts) and submitted - done < concurrency:
-            rid = f"bench-{time.monotonic_ns()}-{submitted}"
-            coordinator.add(rid, prompts[submitted], params, sink)
-            sent_at[rid] = time.perf_counter()
-            submitted += 1
-        item = sink.get(timeout=600)
-        if item is None:
-            continue
-        if isinstance(item, Exception):
-            raise item
-        now = time.perf_counter()
-        n = len(item.new_token_ids)
-        if n:
-            if item.request_id not in first_at:
-                first_at[item.request_id] = now
-            else:
-                itl.append((now - last_at[item.request_id]) / n)
-            last_at[item.request_id] = now
-            tokens += n
-        if item.finish_reason is not None:
-            done += 1
-    wall = time.perf_counter() - start
+    with GpuUtilization() as utilization:
+        start = time.perf_counter()
+        submitted, done, tokens = 0, 0, 0
+        sent_at, first_at, last_at, itl = {}, {}, {}, []
+        while done < len(prompts):
+            while submitted < len(prompts) and submitted - done < concurrency:
+                rid = f"bench-{time.monotonic_ns()}-{submitted}"
+                coordinator.add(rid, prompts[submitted], params, sink)
+                sent_at[rid] = time.perf_counter()
+                submitted += 1
+            item = sink.get(timeout=600)
+            if item is None:
+                continue
+            if isinstance(item, Exception):
+                raise item
+            now = time.perf_counter()
+            n = len(item.new_token_ids)
+            if n:
+                if item.request_id not in first_at:
+                    first_at[item.request_id] = now
+                else:
+                    itl.append((now - last_at[item.request_id]) / n)
+                last_at[item.request_id] = now
+                tokens += n
+            if item.finish_reason is not None:
+                done += 1
+        wall = time.perf_counter() - start
     after = coordinator.stats()
     verify_rows = after["num_verify_rows"] - before["num_verify_rows"]
     accepted = after["draft_accepted"] - before["draft_accepted"]
@@ -83,7 +126,10 @@ def run_load(coordinator, prompts: list[list[int]], params: SamplingParams, conc
                                     for a, b in zip(after["accepted_at"], before["accepted_at"])],
         "ttft_ms": _percentiles([first_at[r] - sent_at[r] for r in first_at]),
         "itl_ms": _percentiles(itl),
+        # CUDA events from each step's first kernel to its results copy: gaps inside a step count
+        # as busy, so with overlap this reads ~100% whatever the GPU does (nvml_busy_fraction does not)
         "gpu_busy_fraction": (after["device_s"] - device_before) / wall if after["device_s"] else None,
+        "nvml_busy_fraction": utilization.busy_fraction,
         "extra_pass_share": (after["num_extra_rows"] - before["num_extra_rows"]) / rows if rows else 0.0,
         "coordinator_wait_fraction": (after["wait_s"] - before["wait_s"]) / wall,
     }
@@ -126,13 +172,17 @@ def bench(model: str, drafter: str, ks: list[int], modes: list[str], graphs: lis
 
 def print_table(runs: list[dict]) -> None:
     head = f"{'mode':6} {'K':>2} {'graphs':>6} {'ovl':>4} {'batch':>5} {'tok/s':>9} {'req/s':>7} {'acc len':>7} " \
-           f"{'ttft p50':>9} {'itl p50':>8} {'gpu busy':>8} {'extra':>6}"
+           f"{'ttft p50':>9} {'itl p50':>8} {'gpu busy':>8} {'nvml':>5} {'extra':>6}"
     print(head)
+
+    def percent(x):
+        return f"{x:.0%}" if x is not None else "-"
+
     for r in runs:
-        busy = f"{r['gpu_busy_fraction']:.0%}" if r["gpu_busy_fraction"] is not None else "-"
         print(f"{r['mode']:6} {r['k']:>2} {str(r['cuda_graphs']):>6} {str(r['overlap']):>4} {r['batch']:>5} "
               f"{r['output_tokens_per_s']:>9.1f} {r['requests_per_s']:>7.2f} {r['mean_acceptance_length']:>7.2f} "
-              f"{r['ttft_ms']['p50'] or 0:>8.1f}m {r['itl_ms']['p50'] or 0:>7.2f}m {busy:>8} {r['extra_pass_share']:>6.1%}")
+              f"{r['ttft_ms']['p50'] or 0:>8.1f}m {r['itl_ms']['p50'] or 0:>7.2f}m {percent(r['gpu_busy_fraction']):>8} "
+              f"{percent(r['nvml_busy_fraction']):>5} {r['extra_pass_share']:>6.1%}")
 
 
 def plot(runs: list[dict], path: Path) -> bool:

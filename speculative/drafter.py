@@ -189,11 +189,14 @@ def save_drafter(path: Path, cfg: DrafterConfig, state: dict[str, torch.Tensor],
     if dtype is not None:
         state = {n: t.to(dtype) if t.is_floating_point() else t for n, t in state.items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
     for name, tensor in state.items():  # in order, a new shard once the current one would overflow
-        size = tensor.numel() * tensor.element_size()
-        if shards[-1] and sum(t.numel() * t.element_size() for t in shards[-1].values()) + size > max_shard_bytes:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
             shards.append({})
+            shard_bytes = 0
         shards[-1][name] = tensor.contiguous()
+        shard_bytes += nbytes
     for old in [*path.glob("model*.safetensors"), path / "model.safetensors.index.json"]:
         old.unlink(missing_ok=True)  # a stale file beside the new ones would be loaded too
     if len(shards) == 1:

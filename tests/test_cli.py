@@ -3,10 +3,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
-from conftest import bench_questions
+from conftest import DATA, bench_questions
 
 ENV = os.environ | {"OMP_NUM_THREADS": os.environ.get("EAGLESERVE_TEST_THREADS", "1")}
 
@@ -70,3 +71,42 @@ def test_bad_input_exits_with_a_message(tmp_path, case, content, args, message):
     import re
     assert re.search(message, proc.stderr), proc.stderr[-1000:]
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_bench_writes_table_and_json(tmp_path):
+    """`eagleserve bench` on CPU through the Ray path: one row per (mode, overlap, batch), tokens from
+    both engines, speculative rows that accept drafts, a plot; no NVML figure without a GPU."""
+    out = tmp_path / "bench.json"
+    proc = eagleserve("bench", "--device", "cpu", "--dataset", DATA / "gsm8k" / "test.jsonl", "--batch", "1,2",
+                      "-k", 2, "--overlap", "both", "--num-prompts", 2, "--output-len", 8, "--max-model-len", 512,
+                      "-o", out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert sorted((r["mode"], r["overlap"], r["batch"]) for r in runs) == [
+        ("eagle", False, 1), ("eagle", False, 2), ("eagle", True, 1), ("eagle", True, 2),
+        ("plain", True, 1), ("plain", True, 2)]
+    for r in runs:
+        assert r["output_tokens"] > 0 and r["output_tokens_per_s"] > 0 and r["nvml_busy_fraction"] is None
+        assert (r["mean_acceptance_length"] > 1) == (r["mode"] == "eagle")
+    assert "tok/s" in proc.stdout and out.with_suffix(".png").is_file()
+
+
+def test_gpu_utilization_is_the_busiest_gpus_mean(monkeypatch):
+    """The NVML poller averages each GPU's utilization over the polls and reports the busiest GPU."""
+    import types
+    from deployments.bench import GpuUtilization
+    busy = {0: iter([10, 30] * 1000), 1: iter([50, 70] * 1000)}
+    fake = types.SimpleNamespace(nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 2,
+                                 nvmlDeviceGetHandleByIndex=lambda i: i,
+                                 nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=next(busy[h])))
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    with GpuUtilization(interval_s=0.001) as utilization:
+        while len(utilization.samples) < 10:
+            time.sleep(0.001)
+    n = len(utilization.samples)
+    expected = sum(([50, 70] * n)[:n]) / n / 100  # GPU 1, over the polls taken
+    assert utilization.busy_fraction == pytest.approx(expected)
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
+    with GpuUtilization(interval_s=0.001) as utilization:
+        time.sleep(0.01)
+    assert utilization.busy_fraction is None
