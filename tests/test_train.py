@@ -8,7 +8,7 @@ from speculative.config import EngineConfig, SamplingParams
 from speculative.drafter import drafter_config_for, random_drafter_state, save_drafter
 from speculative.engine import LLMEngine, encode_prompt
 from speculative.train.config import DistillConfig, TrainConfig
-from speculative.train.data import length_sorted_chunks
+from speculative.train.data import length_sorted_chunks, prompt_order
 from speculative.train.pipeline import train_drafter
 from speculative.train.ttt import ttt_mask
 from workers.llama import LlamaConfig
@@ -35,6 +35,16 @@ def test_length_sorted_chunks():
     prompts = [[0] * n for n in (5, 2, 9, 4, 7, 1, 3, 8)]
     out = [len(p) for p in length_sorted_chunks(iter(prompts), chunk=3, max_len=8)]
     assert out == [2, 4, 5, 1, 3, 7, 8]
+
+
+def test_prompt_order_puts_long_prompts_first():
+    texts = [f"{i}" * n for i, n in enumerate([5, 30, 2, 40, 7, 25, 3, 35])]
+    plain = prompt_order(texts, DistillConfig(seed=3))
+    assert sorted(plain) == sorted(texts) and plain == prompt_order(texts, DistillConfig(seed=3))
+    long_first = prompt_order(texts, DistillConfig(seed=3, long_prompts_first_chars=20))
+    assert [len(t) >= 20 for t in long_first] == [True] * 4 + [False] * 4
+    assert [t for t in plain if len(t) >= 20] == long_first[:4]   # the shuffled order within each group
+    assert [t for t in plain if len(t) < 20] == long_first[4:]
 
 
 def tiny_target(path):

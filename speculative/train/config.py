@@ -16,6 +16,9 @@ class DistillConfig(BaseModel):
     temperature: float = Field(0.7, gt=0.0, le=2.0)
     max_batch_size: int = Field(256, ge=1, le=1024)
     time_limit_s: float | None = Field(None, gt=0)  # stop admitting prompts after this
+    # prompts of at least this many characters go first (0: none do): long inputs are rare in the
+    # training prompts, and the drafter copies poorly from them (BENCHMARKS.md, "where the drafts miss")
+    long_prompts_first_chars: int = Field(0, ge=0)
     seed: int = 0
 
 

@@ -68,8 +68,7 @@ def self_distill(engine, cfg: DistillConfig) -> TokenStore:
     ended on EOS keeps that EOS, so the drafter learns where answers stop."""
     from speculative.config import SamplingParams
     from speculative.engine import encode_prompt
-    texts = read_prompts(cfg.prompt_files)
-    random.Random(cfg.seed).shuffle(texts)
+    texts = prompt_order(read_prompts(cfg.prompt_files), cfg)
     encoded = length_sorted_chunks((encode_prompt(engine.tokenizer, t) for t in texts), 4 * engine.executor.num_slots,
                                    cfg.max_prompt_len)
     rng = random.Random(cfg.seed + 1)
@@ -108,6 +107,15 @@ def self_distill(engine, cfg: DistillConfig) -> TokenStore:
         seqs.append(r.prompt_ids + response)
         prompt_lens.append(len(r.prompt_ids))
     return TokenStore.from_lists(seqs, prompt_lens)
+
+
+def prompt_order(texts: list[str], cfg: DistillConfig) -> list[str]:
+    """Shuffled (seeded), with prompts of at least `long_prompts_first_chars` characters first."""
+    texts = list(texts)
+    random.Random(cfg.seed).shuffle(texts)
+    if cfg.long_prompts_first_chars:
+        texts.sort(key=lambda t: len(t) < cfg.long_prompts_first_chars)  # stable: each group stays shuffled
+    return texts
 
 
 def length_sorted_chunks(encoded, chunk: int, max_len: int):
