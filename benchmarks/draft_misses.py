@@ -1,6 +1,7 @@
 """Where greedy drafts miss: for each verify step that rejects a draft, the target token at the first
-rejected position is classed as outside the draft vocabulary (never draftable), present in the
-prompt (copyable), or other; per set, with the share of steps whose first draft is accepted.
+rejected position is classed as outside the draft vocabulary (never draftable), copyable (the pair
+of it and the token before it occurs in the prompt, as prompt-lookup decoding would find it), or
+other; per set, with the share of steps whose first draft is accepted.
 Runs the in-process engine without overlap, so the drafts a step verifies can be read from the
 worker's slot state just before it.
 
@@ -16,6 +17,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from acceptance import load_sets  # noqa: E402  (benchmarks/acceptance.py)
 from speculative.config import EngineConfig, SamplingParams  # noqa: E402
 from speculative.engine import LLMEngine, encode_prompt  # noqa: E402
 
@@ -27,6 +29,7 @@ def misses(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> Coun
     runner, K = engine.executor, engine.cfg.k
     in_vocab = runner.drafter.t2d.cpu()
     requests = [engine.add_request(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
+    prompt_pairs = {r.request_id: set(zip(r.prompt_ids, r.prompt_ids[1:])) for r in requests}
     counts = Counter()
     while engine.has_work:
         verifying = [(r, r.num_verify_steps, runner.drafts[r.slot, :K].tolist())
@@ -36,15 +39,18 @@ def misses(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> Coun
             tokens = emitted.get(r.request_id)
             if r.num_verify_steps == steps_before or not tokens:
                 continue
-            # the first emitted token that differs from its draft is the target's own: the miss
+            # the first emitted token that differs from its draft is the target's: the miss
             # (none: every draft accepted, or the request ended before the first rejection)
             missed_at = next((i for i, (d, t) in enumerate(zip(drafts, tokens)) if d != t), None)
             counts["steps"] += 1
             counts["first_draft_hit"] += missed_at != 0
             if missed_at is None:
                 continue
-            miss = tokens[missed_at]
-            kind = "not_in_draft_vocab" if not in_vocab[miss] else "in_prompt" if miss in r.prompt_ids else "other"
+            sequence = r.prompt_ids + r.output_ids
+            at = len(sequence) - len(tokens) + missed_at          # the miss's position in the sequence
+            pair = (sequence[at - 1], sequence[at])
+            kind = "not_in_draft_vocab" if not in_vocab[pair[1]] else \
+                "copyable" if pair in prompt_pairs[r.request_id] else "other"
             counts[f"miss_{kind}"] += 1
     return counts
 
@@ -63,17 +69,18 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     engine = LLMEngine(EngineConfig(model=args.model, drafter=args.drafter, num_draft_tokens=args.k,
                                     max_batch_size=args.num_prompts, device=args.device, overlap=False))
+    sets = load_sets(args.data_root, num_gsm8k_test=0)
     results = {}
     for name in tqdm(args.sets, desc="sets"):
-        rows = [json.loads(line) for line in (args.data_root / "eagle_bench" / name / "question.jsonl").open()]
-        prompts = [encode_prompt(engine.tokenizer, row["turns"][0]) for row in rows[:args.num_prompts]]
+        prompts = [encode_prompt(engine.tokenizer, q) for q in sets[f"eagle_{name}"][:args.num_prompts]]
         results[name] = dict(misses(engine, prompts, args.max_tokens))
-    print(f"{'set':8} {'steps':>6} {'draft 1 hit':>11} {'misses':>7} {'not in vocab':>12} {'in prompt':>9} {'other':>6}")
+    kinds = ("not_in_draft_vocab", "copyable", "other")
+    print(f"{'set':8} {'steps':>6} {'draft 1 hit':>11} {'misses':>7} {'not in vocab':>12} {'copyable':>9} {'other':>6}")
     for name, c in results.items():
-        total = sum(c.get(f"miss_{k}", 0) for k in ("not_in_draft_vocab", "in_prompt", "other"))
-        share = {k: c.get(f"miss_{k}", 0) / max(total, 1) for k in ("not_in_draft_vocab", "in_prompt", "other")}
+        total = sum(c.get(f"miss_{k}", 0) for k in kinds)
+        share = {k: c.get(f"miss_{k}", 0) / max(total, 1) for k in kinds}
         print(f"{name:8} {c['steps']:>6} {c['first_draft_hit'] / max(c['steps'], 1):>11.2f} {total:>7} "
-              f"{share['not_in_draft_vocab']:>12.1%} {share['in_prompt']:>9.1%} {share['other']:>6.1%}")
+              f"{share['not_in_draft_vocab']:>12.1%} {share['copyable']:>9.1%} {share['other']:>6.1%}")
     if args.output:
         args.output.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "sets": results}, indent=1))
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The H200 measurement job (issue 6). Parts, in priority order (PARTS="..." picks some; default all),
-# each skipped once the time budget ($BUDGET seconds, default 540) would be overrun (all: ~800 s):
+# each skipped once the time budget ($BUDGET seconds, default 540) would be overrun. All parts take
+# ~800 s, more than one device call may run (600 s): split them over two calls with PARTS.
 #   graphs    plain, EAGLE-3 K=3 with and without overlap; batch 1, 8, 32; CUDA graphs
 #   firstdraft EAGLE-3 K=3 and K=5 with overlap, the first draft forward captured with the verify pass
 #   hf        Hugging Face generate (plain, prompt lookup) on the same prompts
@@ -30,6 +31,7 @@ part hf 60 python3 benchmarks/hf_reference.py --model $M --dataset $DATA -o $OUT
 part k5 90 $BENCH --batch 1,8,32 -k 5 --overlap both --cuda-graphs on --modes eagle -o $OUT/bench_k5.json
 EAGLESERVE_CUDNN_IN_GRAPHS=0 part cudnn 80 $BENCH --batch 8,32 -k 3 --overlap on --cuda-graphs on \
     -o $OUT/bench_no_cudnn_graphs.json
+# eager steps are ~10x slower: 8 requests per level keep this part within its budget
 part eager 150 $BENCH --num-prompts 8 --batch 1,8,32 -k 3 --overlap both --cuda-graphs off --modes plain,eagle -o $OUT/bench_eager.json
 part floor 90 python3 benchmarks/step_floor.py -o $OUT/step_floor_8b.json
 part floor 30 python3 benchmarks/step_floor.py --model $M --drafter $D -o $OUT/step_floor_smollm2.json

@@ -43,29 +43,38 @@ def _percentiles(values: list[float]) -> dict:
 
 class GpuUtilization:
     """NVML's GPU utilization (the share of time at least one kernel ran: nvidia-smi's GPU-Util),
-    polled in a thread while a level runs; the mean of the busiest GPU. Unlike CUDA events around
-    each step, it counts the gaps inside a step as idle, so it stays valid with overlap. None
-    without NVML (no GPU, or no nvidia-ml-py)."""
+    polled in a thread while a level runs; the mean of the busiest GPU of this host. Unlike CUDA
+    events around each step, it counts the gaps inside a step as idle, so it stays valid with
+    overlap. None when off or without NVML (no GPU, no nvidia-ml-py)."""
 
-    def __init__(self, interval_s: float = 0.05):
+    def __init__(self, enabled: bool = True, interval_s: float = 0.05):
         self.interval_s = interval_s
         self.samples: list[list[int]] = []  # per poll, per GPU: percent
         self._stop = threading.Event()
         self._thread = None
+        self._nvml = None
+        if not enabled:
+            return
         try:
-            import pynvml
+            try:
+                import pynvml
+            except ImportError:
+                from ray._private.thirdparty import pynvml  # Ray's own copy
             pynvml.nvmlInit()
             self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-            self._read = lambda h: pynvml.nvmlDeviceGetUtilizationRates(h).gpu
+            self._nvml = pynvml
         except Exception:  # no pynvml, no driver, no GPU
-            self._handles = []
+            pass
 
     def _poll(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.samples.append([self._read(h) for h in self._handles])
+        try:
+            while not self._stop.wait(self.interval_s):
+                self.samples.append([self._nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self._handles])
+        except Exception:  # e.g. a GPU that reports no utilization: keep what was read
+            pass
 
     def __enter__(self) -> "GpuUtilization":
-        if self._handles:
+        if self._nvml is not None:
             self._thread = threading.Thread(target=self._poll, daemon=True)
             self._thread.start()
         return self
@@ -74,6 +83,7 @@ class GpuUtilization:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+            self._nvml.nvmlShutdown()
 
     @property
     def busy_fraction(self) -> float | None:
@@ -82,12 +92,13 @@ class GpuUtilization:
         return max(sum(gpu) / len(gpu) for gpu in zip(*self.samples)) / 100
 
 
-def run_load(coordinator, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> dict:
+def run_load(coordinator, prompts: list[list[int]], params: SamplingParams, concurrency: int,
+             measure_gpu: bool = True) -> dict:
     """Keep `concurrency` requests in flight until all prompts are done; time every delta."""
     sink: queue.Queue = queue.Queue()
     before = coordinator.stats()
     device_before = before["device_s"]
-    with GpuUtilization() as utilization:
+    with GpuUtilization(measure_gpu) as utilization:
         start = time.perf_counter()
         submitted, done, tokens = 0, 0, 0
         sent_at, first_at, last_at, itl = {}, {}, {}, []
@@ -159,7 +170,8 @@ def bench(model: str, drafter: str, ks: list[int], modes: list[str], graphs: lis
             for batch, overlap in itertools.product(batches, overlaps if mode == "eagle" else [True]):
                 coordinator.engine.overlap = overlap
                 n = max(prompts_per_batch, 2 * batch)
-                result = run_load(coordinator, (prompts * (n // len(prompts) + 1))[:n], params, batch)
+                result = run_load(coordinator, (prompts * (n // len(prompts) + 1))[:n], params, batch,
+                                  measure_gpu=device != "cpu")
                 runs.append({"mode": mode, "k": k, "cuda_graphs": use_graphs, "overlap": overlap, "batch": batch,
                              "graph_first_draft": graph_first_draft and use_graphs and mode == "eagle",
                              "startup_s": startup_s, **result})

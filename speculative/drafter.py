@@ -180,10 +180,10 @@ def drafter_state_dict(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
 
 
 def save_drafter(path: Path, cfg: DrafterConfig, state: dict[str, torch.Tensor],
-                 dtype: torch.dtype | None = None, max_shard_bytes: int = 15_000_000) -> None:
-    """Write config.json + the weights in the standard EAGLE-3 layout: model.safetensors, or shards
-    of at most `max_shard_bytes` (model-0000i-of-0000n.safetensors + model.safetensors.index.json,
-    the Hugging Face layout) when they do not fit one."""
+                 dtype: torch.dtype | None = None, max_shard_bytes: int | None = None) -> None:
+    """Write config.json + the weights in the standard EAGLE-3 layout: model.safetensors, or, when
+    they exceed `max_shard_bytes`, model-0000i-of-0000n.safetensors + model.safetensors.index.json
+    (the Hugging Face layout). Weight files of an earlier save that are not rewritten are removed."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if dtype is not None:
@@ -192,21 +192,24 @@ def save_drafter(path: Path, cfg: DrafterConfig, state: dict[str, torch.Tensor],
     shard_bytes = 0
     for name, tensor in state.items():  # in order, a new shard once the current one would overflow
         nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
+        if max_shard_bytes is not None and shards[-1] and shard_bytes + nbytes > max_shard_bytes:
             shards.append({})
             shard_bytes = 0
         shards[-1][name] = tensor.contiguous()
         shard_bytes += nbytes
-    for old in [*path.glob("model*.safetensors"), path / "model.safetensors.index.json"]:
-        old.unlink(missing_ok=True)  # a stale file beside the new ones would be loaded too
-    if len(shards) == 1:
-        save_file(shards[0], str(path / "model.safetensors"))
+    names = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        save_file(shard, str(path / name))
+    index = path / "model.safetensors.index.json"
+    if len(shards) > 1:
+        index.write_text(json.dumps({
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+            "weight_map": {tensor: name for name, shard in zip(names, shards) for tensor in shard}}, indent=2))
     else:
-        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        for name, shard in zip(names, shards):
-            save_file(shard, str(path / name))
-        weight_map = {tensor: name for name, shard in zip(names, shards) for tensor in shard}
-        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}, indent=2))
+        index.unlink(missing_ok=True)
+    for stale in set(path.glob("model*.safetensors")) - {path / n for n in names}:
+        stale.unlink()  # it would be loaded beside the new files
     (path / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
 
 

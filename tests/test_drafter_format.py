@@ -66,8 +66,9 @@ def test_sharded_save(tmp_path, tiny_dir):
     assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     for shard in tmp_path.glob("*.safetensors"):
         assert shard.stat().st_size <= largest + 4096  # + the safetensors header
-    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
-    assert index.keys() == state.keys() and set(index.values()) == set(shards)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["weight_map"].keys() == state.keys() and set(index["weight_map"].values()) == set(shards)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in state.values())
     loaded = drafter_state_dict(load_drafter(tmp_path))
     assert all(torch.equal(loaded[n], t) for n, t in state.items())
     save_drafter(tmp_path, cfg, state)

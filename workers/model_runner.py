@@ -68,11 +68,11 @@ class ModelRunner:
         self.check_host_sync = False  # tests turn this on
         if self.device.type == "cuda":
             # cuDNN attention builds an execution plan on the host for every new shape (81 ms each,
-            # measured on the H200), and eager forwards (the first draft, sampled verify, long
-            # prefills) meet a new (batch, kv_len) every few steps: they use the memory-efficient
-            # kernel. Graphs have fixed shapes (one plan each, built at capture) and are captured with
-            # cuDNN, which made plain decoding 1.26x and EAGLE-3 1.31x faster at batch 8 on the H200;
-            # EAGLESERVE_CUDNN_IN_GRAPHS=0 captures them with the memory-efficient kernel too.
+            # measured on the H200), and eager forwards (the first draft unless graph_first_draft,
+            # sampled verify, long prefills) meet a new (batch, kv_len) every few steps: they use the
+            # memory-efficient kernel. Graphs have fixed shapes (one plan each, built at capture) and
+            # are captured with cuDNN, which made plain decoding 1.26x and EAGLE-3 1.31x faster at
+            # batch 8 on the H200; EAGLESERVE_CUDNN_IN_GRAPHS=0 captures them without it.
             torch.backends.cuda.enable_cudnn_sdp(False)
         start = time.perf_counter()
         model_dir = resolve_model(cfg.model)
@@ -247,20 +247,15 @@ class ModelRunner:
         return target_probs(logits, self.temperature[slots], top_k, self.top_p[slots])
 
     def _verify(self, plan: StepPlan, slots: torch.Tensor):
-        B = slots.shape[0]
-        is_graphed = self.verify_graphs is not None and plan.all_greedy and self.verify_graphs.fits(B, plan.kv_len)
-        if is_graphed and self.graph_first_draft:
-            tokens, emitted, base, last, first_draft = self.verify_graphs(slots, kv_len=plan.kv_len)
-            return tokens, emitted, DraftSeed(slots, last, base + emitted - 1, first_draft)
-        if is_graphed:
-            tokens, emitted, base = self.verify_graphs(slots, kv_len=plan.kv_len)
+        B, drafted = slots.shape[0], []
+        if self.verify_graphs is not None and plan.all_greedy and self.verify_graphs.fits(B, plan.kv_len):
+            tokens, emitted, base, *drafted = self.verify_graphs(slots, kv_len=plan.kv_len)  # + the first draft
         else:
             tokens, emitted, base = self._verify_target(slots, kv_len=plan.kv_len, plan=plan)
-        seed = None
-        if self.drafter is not None:
-            last, first_draft = self._first_draft(slots, tokens, emitted, base, plan.kv_len)
-            seed = DraftSeed(slots, last, base + emitted - 1, first_draft)
-        return tokens, emitted, seed
+        if self.drafter is None:
+            return tokens, emitted, None
+        last, first_draft = drafted or self._first_draft(slots, tokens, emitted, base, plan.kv_len)
+        return tokens, emitted, DraftSeed(slots, last, base + emitted - 1, first_draft)
 
     def _first_draft(self, slots, tokens, emitted, base, kv_len: int):
         """The first draft forward over the accepted + 1 tokens of each row (tokens [B, K+1], padded

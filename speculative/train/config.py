@@ -47,4 +47,5 @@ class TrainConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # of the frozen target and autocast
     export_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    export_shard_mb: float | None = Field(None, gt=0)  # split the exported weights into files of at most this
     seed: int = 0

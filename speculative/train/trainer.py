@@ -172,7 +172,8 @@ def export(cfg: TrainConfig, drafter: Eagle3Drafter, step: int, max_steps: int, 
            train_s: float) -> dict:
     out = Path(cfg.output)
     dtype = torch.bfloat16 if cfg.export_dtype == "bfloat16" else torch.float32
-    save_drafter(out, drafter.cfg, drafter_state_dict(drafter), dtype)
+    max_shard_bytes = int(cfg.export_shard_mb * 1e6) if cfg.export_shard_mb else None
+    save_drafter(out, drafter.cfg, drafter_state_dict(drafter), dtype, max_shard_bytes)
     (out / "training_config.json").write_text(cfg.model_dump_json(indent=2))
     summary = {"step": step, "max_steps": max_steps, "is_complete": step >= max_steps,
                "train_s_this_run": round(train_s, 1), "metrics": metrics}
