@@ -191,12 +191,11 @@ def save_drafter(path: Path, cfg: DrafterConfig, state: dict[str, torch.Tensor],
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
     for name, tensor in state.items():  # in order, a new shard once the current one would overflow
-        nbytes = tensor.numel() * tensor.element_size()
-        if max_shard_bytes is not None and shards[-1] and shard_bytes + nbytes > max_shard_bytes:
+        if max_shard_bytes is not None and shards[-1] and shard_bytes + tensor.nbytes > max_shard_bytes:
             shards.append({})
             shard_bytes = 0
         shards[-1][name] = tensor.contiguous()
-        shard_bytes += nbytes
+        shard_bytes += tensor.nbytes
     names = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for name, shard in zip(names, shards):
@@ -204,7 +203,7 @@ def save_drafter(path: Path, cfg: DrafterConfig, state: dict[str, torch.Tensor],
     index = path / "model.safetensors.index.json"
     if len(shards) > 1:
         index.write_text(json.dumps({
-            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+            "metadata": {"total_size": sum(t.nbytes for t in state.values())},
             "weight_map": {tensor: name for name, shard in zip(names, shards) for tensor in shard}}, indent=2))
     else:
         index.unlink(missing_ok=True)

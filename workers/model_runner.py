@@ -86,7 +86,6 @@ class ModelRunner:
         log.info("rank %d: loaded %s (drafter %s) in %.1f s", self.rank, cfg.model, cfg.drafter,
                  time.perf_counter() - start)
         self._allocate()
-        self.graph_first_draft = cfg.graph_first_draft and self.drafter is not None
         self.verify_graphs = self.chain_graphs = self.prefill_graphs = None
         self.graph_pool_bytes = 0
         if cfg.cuda_graphs and self.device.type == "cuda":
@@ -341,7 +340,8 @@ class ModelRunner:
         self.prefill_graphs = StepGraphs(self._prefill_forward, slots, prompt_lengths, dummy,
                                          [GraphInput(torch.long, pad=1), GraphInput(torch.long, per_token=True)],
                                          dev, max_tokens=max_tokens)
-        verify = self._verify_and_first_draft if self.graph_first_draft else self._verify_target
+        has_first_draft = self.cfg.graph_first_draft and self.drafter is not None
+        verify = self._verify_and_first_draft if has_first_draft else self._verify_target
         self.verify_graphs = StepGraphs(verify, slots, kv_buckets(self.cache_len), dummy, [], dev)
         graphs = [self.prefill_graphs, self.verify_graphs]
         if self.drafter is not None and self.K > 1:
