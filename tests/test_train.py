@@ -8,9 +8,11 @@ from speculative.config import EngineConfig, SamplingParams
 from speculative.drafter import drafter_config_for, random_drafter_state, save_drafter
 from speculative.engine import LLMEngine, encode_prompt
 from speculative.train.config import DistillConfig, TrainConfig
-from speculative.train.data import length_sorted_chunks, prompt_order
+from speculative.train.data import length_sorted_chunks, prompt_order, self_distill
 from speculative.train.pipeline import train_drafter
-from speculative.train.ttt import ttt_mask
+import torch
+
+from speculative.train.ttt import ttt_loss, ttt_mask
 from workers.llama import LlamaConfig
 from tiny_models import tiny_llama
 from workers.loader import load_config
@@ -45,6 +47,41 @@ def test_prompt_order_puts_long_prompts_first():
     assert [len(t) >= 20 for t in long_first] == [True] * 4 + [False] * 4
     assert [t for t in plain if len(t) >= 20] == long_first[:4]   # the shuffled order within each group
     assert [t for t in plain if len(t) < 20] == long_first[4:]
+
+
+def test_ttt_loss_weighs_prompt_positions():
+    """Rows whose next token is in the prompt count only with prompt_weight > 0, scaled by it."""
+    torch.manual_seed(0)
+    B, T, V = 2, 12, 7
+    probs = torch.softmax(torch.randn(B, T, V), -1)
+    logits = [torch.randn(B, T, V), torch.randn(B, T, V)]
+    args = (torch.ones(B, T, dtype=torch.bool), torch.tensor([12, 10]), torch.tensor([6, 4]), 0.8)
+    changed = [x.clone() for x in logits]
+    for x in changed:
+        x[:, :3] += 5 * torch.randn(B, 3, V)  # rows t < 3: x[t+1] is a prompt token in both rows
+    assert torch.equal(ttt_loss(logits, probs, *args)[0], ttt_loss(changed, probs, *args)[0])
+    assert not torch.equal(ttt_loss(logits, probs, *args, 0.5)[0], ttt_loss(changed, probs, *args, 0.5)[0])
+    # prompt-only sequences (prompt length = length) count with the weight and nothing else
+    prompt_only = (torch.ones(B, T, dtype=torch.bool), torch.tensor([12, 10]), torch.tensor([12, 10]), 0.8)
+    assert ttt_loss(logits, probs, *prompt_only)[0] == 0
+    half, full = ttt_loss(logits, probs, *prompt_only, 0.5)[0], ttt_loss(logits, probs, *prompt_only, 1.0)[0]
+    assert torch.isclose(2 * half, full) and full > 0
+
+
+def test_distillation_keeps_undistilled_prompts(tmp_path):
+    """With keep_undistilled_prompts, prompts past num_prompts become response-free sequences."""
+    model = tiny_target(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
+    engine = LLMEngine(EngineConfig(model=str(model), drafter="none", max_batch_size=4, max_model_len=256,
+                                    device="cpu"))
+    cfg = DistillConfig(prompt_files=[str(prompts)], num_prompts=3, max_tokens=8, sampled_fraction=0.0,
+                        max_batch_size=4, keep_undistilled_prompts=True)
+    store = self_distill(engine, cfg)
+    encoded = sorted(tuple(encode_prompt(engine.tokenizer, q)) for q in QUESTIONS)
+    assert sorted(tuple(store.seq(i)[:store.prompt_lens[i]].tolist()) for i in range(len(store))) == encoded
+    responses = store.lengths - store.prompt_lens
+    assert (responses > 0).sum() == 3 and (responses == 0).sum() == len(QUESTIONS) - 3
 
 
 def tiny_target(path):

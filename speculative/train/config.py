@@ -19,6 +19,9 @@ class DistillConfig(BaseModel):
     # prompts of at least this many characters go first (0: none do): long inputs are rare in the
     # training prompts, and the drafter copies poorly from them (BENCHMARKS.md, "where the drafts miss")
     long_prompts_first_chars: int = Field(0, ge=0)
+    # keep the prompts left when the time limit stops admission, as sequences without a response
+    # (they only teach anything with TrainConfig.prompt_loss_weight > 0)
+    keep_undistilled_prompts: bool = False
     seed: int = 0
 
 
@@ -33,6 +36,7 @@ class TrainConfig(BaseModel):
     draft_vocab_size: int = Field(4096, ge=2)
     ttt_steps: int = Field(5, ge=1, le=16)       # unrolled draft steps (K at inference <= this)
     step_decay: float = Field(0.8, gt=0.0, le=1.0)  # loss weight of step j is decay**j
+    prompt_loss_weight: float = Field(0.0, ge=0.0, le=1.0)  # loss weight of prompt positions (responses: 1)
     lr: float = Field(6e-4, gt=0.0)
     min_lr_ratio: float = Field(0.05, ge=0.0, le=1.0)
     warmup_steps: int = Field(50, ge=0)

@@ -91,8 +91,8 @@ def self_distill(engine, cfg: DistillConfig) -> TokenStore:
         # request would make the generation several times slower.
         if is_admitting and num_busy() <= num_slots * 3 // 4:
             for _ in range(num_slots - num_busy()):
-                ids = next(encoded, None)
-                if ids is None or len(requests) >= cfg.num_prompts:
+                ids = next(encoded, None) if len(requests) < cfg.num_prompts else None
+                if ids is None:
                     is_admitting = False
                     break
                 sampled = rng.random() < cfg.sampled_fraction
@@ -106,6 +106,10 @@ def self_distill(engine, cfg: DistillConfig) -> TokenStore:
         response = r.output_ids + ([eos] if r.finish_reason == "stop" and eos is not None else [])
         seqs.append(r.prompt_ids + response)
         prompt_lens.append(len(r.prompt_ids))
+    if cfg.keep_undistilled_prompts:
+        rest = list(tqdm(encoded, desc="undistilled prompts", unit="prompt"))
+        seqs += rest
+        prompt_lens += [len(ids) for ids in rest]
     return TokenStore.from_lists(seqs, prompt_lens)
 
 

@@ -86,7 +86,7 @@ def train_step(cfg: TrainConfig, target: Llama, drafter: Eagle3Drafter, draft_to
     probs, is_in_draft = target_draft_probs(target, hidden, draft_to_target)
     with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
         logits = ttt_forward(drafter, ids, aux, cfg.ttt_steps)
-    return ttt_loss(logits, probs, is_in_draft, lengths, prompt_lens, cfg.step_decay)
+    return ttt_loss(logits, probs, is_in_draft, lengths, prompt_lens, cfg.step_decay, cfg.prompt_loss_weight)
 
 
 def batch_stream(cfg: TrainConfig, store: TokenStore, skip: int):

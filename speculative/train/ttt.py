@@ -58,22 +58,29 @@ def ttt_forward(drafter: Eagle3Drafter, ids: torch.Tensor, aux: torch.Tensor, nu
 
 
 def ttt_loss(logits: list[torch.Tensor], target_probs: torch.Tensor, is_in_draft: torch.Tensor,
-             lengths: torch.Tensor, prompt_lens: torch.Tensor, decay: float):
+             lengths: torch.Tensor, prompt_lens: torch.Tensor, decay: float, prompt_weight: float = 0.0):
     """Soft cross-entropy of each depth against the target's draft-vocab distribution at t+1,
-    weighted decay**depth, over rows t where x[t+1] is a response token, x[t+2] exists, the
-    target's argmax is draftable and the chain start t - depth >= 0.
-    target_probs [B, T, Vd] (at position t), is_in_draft [B, T]. Returns (loss, per-depth accuracy)."""
+    weighted decay**depth, over rows t where x[t+2] exists, the target's argmax is draftable and
+    the chain start t - depth >= 0. Rows where x[t+1] is a response token weigh 1, rows inside the
+    prompt `prompt_weight` (the prompt is the target's context, not its output, but it is data the
+    drafter otherwise never learns from). The sum is divided by the number of rows of weight > 0.
+    target_probs [B, T, Vd] (at position t), is_in_draft [B, T]. Returns (loss, per-depth accuracy
+    over the rows of weight > 0)."""
     B, T, _ = target_probs.shape
     t = torch.arange(T, device=target_probs.device).view(1, T)
     probs_next = target_probs.roll(-1, dims=1)                               # [B, T, Vd] at t+1
-    base_mask = (t + 1 >= prompt_lens.view(B, 1)) & (t + 2 <= lengths.view(B, 1) - 1) \
-        & is_in_draft.roll(-1, dims=1)                                       # [B, T]
+    usable = (t + 2 <= lengths.view(B, 1) - 1) & is_in_draft.roll(-1, dims=1)  # [B, T]
+    is_response = t + 1 >= prompt_lens.view(B, 1)
+    weight = (usable & is_response).float()
+    if prompt_weight > 0:
+        weight = weight + prompt_weight * (usable & ~is_response).float()
     target_ids = probs_next.argmax(-1)
     total, accuracies = 0.0, []
     for depth, depth_logits in enumerate(logits):
-        mask = (base_mask & (t >= depth)).float()
+        w = weight * (t >= depth)
+        counted = (w > 0).float()
+        count = counted.sum().clamp(min=1)
         ce = -(probs_next * torch.log_softmax(depth_logits.float(), dim=-1)).sum(-1)  # [B, T]
-        count = mask.sum().clamp(min=1)
-        total = total + decay ** depth * (ce * mask).sum() / count
-        accuracies.append(((depth_logits.argmax(-1) == target_ids).float() * mask).sum() / count)
+        total = total + decay ** depth * (ce * w).sum() / count
+        accuracies.append(((depth_logits.argmax(-1) == target_ids).float() * counted).sum() / count)
     return total, torch.stack(accuracies)
