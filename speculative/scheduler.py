@@ -31,6 +31,8 @@ class Request:
     in_flight: int = 0                   # planned steps whose results are not processed yet
     last_step: int = -1                  # last step id that includes this request
     text: str = ""                       # decoded output so far (stop strings are searched in it)
+    prefix_offset: int = 0               # output_ids[prefix_offset:read_offset] is the context for
+    read_offset: int = 0                 # decoding the tokens from read_offset on (incremental detokenizing)
 
     @property
     def is_finished(self) -> bool:
@@ -226,12 +228,21 @@ class Scheduler:
         return min(hits) if hits else None
 
     def _detokenize(self, r: Request) -> str:
-        text = self._decode(r)
-        at = self._find_stop(r, text)
+        """The text the new tokens add, decoding only a few tokens of context before them (a whole
+        re-decode each step costs ~27 us per 128 tokens, per request, on the coordinator's thread)."""
+        tokens = r.output_ids
+        context = self.tokenizer.decode(tokens[r.prefix_offset:r.read_offset], skip_special_tokens=True)
+        window = self.tokenizer.decode(tokens[r.prefix_offset:], skip_special_tokens=True)
+        if window.endswith("\ufffd") and not r.is_finished:  # a multi-byte character not complete yet
+            return ""
+        if window.startswith(context):
+            text = r.text + window[len(context):]
+        else:  # the context decodes differently with what follows it: decode the whole output
+            text = self._decode(r)
+        r.prefix_offset, r.read_offset = r.read_offset, len(tokens)
+        at = self._find_stop(r, text) if r.params.stop else None
         if at is not None:
             text = text[:at]
-        elif text.endswith("\ufffd") and not r.is_finished:  # a multi-byte character not complete yet
-            return ""
         delta, r.text = text[len(r.text):], text
         return delta
 

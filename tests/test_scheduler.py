@@ -177,6 +177,30 @@ def test_stop_string_cut_is_independent_of_tokens_per_step(tok_dir):
     assert outputs[0][1] == " one two three " and outputs[0][2] == "stop"
 
 
+def test_incremental_detokenizing_equals_whole_decode(tok_dir):
+    """Deltas decoded from a few tokens of context add up to the whole output's decode, whatever
+    the tokens per step, through multi-byte characters split across tokens and steps."""
+    import random
+    from workers.loader import load_tokenizer
+    tokenizer = load_tokenizer(tok_dir)
+    text = "Grüße aus Köln! 東京タワー 🚀🎉 naïve café, 42 × 7 = 294. \n\tDone: 😀 ok"
+    stream = tokenizer.encode(text)
+    for seed in range(4):
+        rng = random.Random(seed)
+        s = Scheduler(1, 512, 512, 3, {tokenizer.eos_token_id}, tokenizer)
+        r = s.add("r", [1, 2, 3], SamplingParams(max_tokens=len(stream), ignore_eos=True))
+        fed, deltas = 0, []
+        while not r.is_finished:
+            plan = s.plan()
+            n = 1 if plan.prefills else min(rng.randint(1, 4), len(stream) - fed)
+            tokens = torch.zeros(1, 4, dtype=torch.long)
+            tokens[0, :n] = torch.tensor(stream[fed:fed + n])
+            for out in s.process(plan, StepResult(plan.step_id, tokens.numpy(), torch.tensor([n]).numpy())):
+                deltas.append(out.text_delta)
+            fed += n
+        assert "".join(deltas) == r.text == tokenizer.decode(stream, skip_special_tokens=True) == text
+
+
 # ---- bad requests ----
 
 def test_bad_requests_are_rejected_and_harm_no_other(tiny_dir, tiny_drafter_dir):
