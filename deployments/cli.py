@@ -257,7 +257,7 @@ def main(argv=None) -> None:
     b.add_argument("--cuda-graphs", choices=["on", "off", "both"], default="on")
     b.add_argument("--overlap", choices=["on", "off", "both"], default="on")
     b.add_argument("--graph-first-draft", action="store_true",
-                   help="capture the first draft forward in the verify graph (default: eager)")
+                   help="capture each greedy decode step whole: verify + all draft forwards (default: first draft eager)")
     b.add_argument("--output-len", type=int, default=256)
     b.add_argument("--ignore-eos", action="store_true")
     b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

@@ -50,7 +50,7 @@ class EngineConfig(BaseModel):
     tp: int = Field(1, ge=1)
     overlap: bool = True
     cuda_graphs: bool = True
-    graph_first_draft: bool = False                   # capture the first draft forward with the verify pass
+    graph_first_draft: bool = False                   # one graph per greedy decode step: verify + all drafts
     seed: int = 0                                     # seeds requests that bring none
 
     @model_validator(mode="after")

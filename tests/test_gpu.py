@@ -37,7 +37,7 @@ def test_graphs_equal_eager_and_spec_equals_plain():
     # verify and draft chain replayed in one step)
     assert _generate(DRAFTER, graphs=True, max_batch_size=2) == plain_eager
     assert _generate("none", graphs=True, max_batch_size=2) == plain_eager
-    # the first draft forward captured with the verify pass
+    # the whole decode step (verify, first draft, draft steps 2..K) as one graph
     assert _generate(DRAFTER, graphs=True, graph_first_draft=True) == plain_eager
     assert _generate(DRAFTER, graphs=True, k=5, max_batch_size=2, graph_first_draft=True) == plain_eager
 

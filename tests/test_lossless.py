@@ -105,6 +105,31 @@ def test_drafter_kv_cache_matches_fresh_prefill(tiny_dir, tiny_drafter_dir, prom
     assert [r.output_ids for r in requests] == plain_ref[:4]
 
 
+class EagerGraphs:
+    """Stands in for StepGraphs on CPU: runs the function a graph would capture, eagerly."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def fits(self, batch: int, length: int) -> bool:
+        return True
+
+    def __call__(self, slots, *values, kv_len: int):
+        return self.fn(slots, *values, kv_len=kv_len)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_whole_decode_step_function(tiny_dir, tiny_drafter_dir, prompts, plain_ref, k):
+    """What `graph_first_draft` captures as one graph (verify, first draft, draft forwards 2..K),
+    run eagerly: lossless, and the drafts it leaves equal a fresh prefill's, through accepted and
+    rejected drafts and steps that mix prefills (drafted apart) with decodes."""
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=k, max_batch_size=4, overlap=False, graph_first_draft=True)
+    engine.executor.verify_graphs = EagerGraphs(engine.executor._decode_step)
+    fresh = ModelRunner(engine.cfg)
+    requests = run_with_oracle(engine, prompts[:4], plain_ref[:4], JOINS[:4], corrupt_p=0.3, check_against=fresh)
+    assert [r.output_ids for r in requests] == plain_ref[:4]
+
+
 # ---- greedy, real SmolLM2 ----
 
 @pytest.mark.parametrize("k, num_prompts, max_tokens", [(1, 1, 40), (3, 6, 64), (5, 1, 40)])

@@ -184,7 +184,8 @@ class ModelRunner:
             tokens, emitted, seed = self._verify(plan, inputs["decode_slots"])
             outs.append((tokens, emitted))
             seeds.append(seed)
-        if self.drafter is not None:
+        seeds = [s for s in seeds if s is not None]  # None: no drafter, or the step graph drafted already
+        if seeds:
             self._draft_chain(plan, seeds)
         return torch.cat([t for t, _ in outs]), torch.cat([e for _, e in outs])
 
@@ -246,14 +247,17 @@ class ModelRunner:
         return target_probs(logits, self.temperature[slots], top_k, self.top_p[slots])
 
     def _verify(self, plan: StepPlan, slots: torch.Tensor):
-        B, drafted = slots.shape[0], []
-        if self.verify_graphs is not None and plan.all_greedy and self.verify_graphs.fits(B, plan.kv_len):
-            tokens, emitted, base, *drafted = self.verify_graphs(slots, kv_len=plan.kv_len)  # + the first draft
+        """-> tokens [B, K+1], num_emitted [B], and what the draft chain continues from (None when
+        the graph of the whole step (`graph_first_draft`) ran the drafter already)."""
+        if self.verify_graphs is not None and plan.all_greedy and self.verify_graphs.fits(slots.shape[0], plan.kv_len):
+            tokens, emitted, base = self.verify_graphs(slots, kv_len=plan.kv_len)
+            if self.drafter is None or self.cfg.graph_first_draft:
+                return tokens, emitted, None
         else:
             tokens, emitted, base = self._verify_target(slots, kv_len=plan.kv_len, plan=plan)
         if self.drafter is None:
             return tokens, emitted, None
-        last, first_draft = drafted or self._first_draft(slots, tokens, emitted, base, plan.kv_len)
+        last, first_draft = self._first_draft(slots, tokens, emitted, base, plan.kv_len)
         return tokens, emitted, DraftSeed(slots, last, base + emitted - 1, first_draft)
 
     def _first_draft(self, slots, tokens, emitted, base, kv_len: int):
@@ -270,12 +274,16 @@ class ModelRunner:
         last = h[rows, accepted]
         return last, self.drafter.propose(last)
 
-    def _verify_and_first_draft(self, slots: torch.Tensor, kv_len: int):
-        """Greedy verify pass and first draft forward as one CUDA graph (`graph_first_draft`): the
-        first draft's shape is fixed at [B, K+1] (rows past the accepted tokens write to the dummy
-        slot), so it can be captured, which saves its ~40 eager launches in every step."""
+    def _decode_step(self, slots: torch.Tensor, kv_len: int):
+        """A whole greedy decode step as one CUDA graph (`graph_first_draft`): verify pass, first
+        draft forward and draft forwards 2..K. The first draft's shape is fixed at [B, K+1] (rows
+        past the accepted tokens write to the dummy slot), so it can be captured, which saves its
+        ~40 eager launches and the chain graph's launch and input copies in every step."""
         tokens, emitted, base = self._verify_target(slots, kv_len)
-        return (tokens, emitted, base) + self._first_draft(slots, tokens, emitted, base, kv_len)
+        last, first_draft = self._first_draft(slots, tokens, emitted, base, kv_len)
+        self.resources.write_hidden(slots, last)
+        self._draft_steps(slots, first_draft, base + emitted - 1, kv_len)
+        return tokens, emitted, base
 
     def _verify_target(self, slots: torch.Tensor, kv_len: int, plan: StepPlan | None = None):
         """Target forward over [pending token, drafts] per row, verification and the slot-state
@@ -340,8 +348,8 @@ class ModelRunner:
         self.prefill_graphs = StepGraphs(self._prefill_forward, slots, prompt_lengths, dummy,
                                          [GraphInput(torch.long, pad=1), GraphInput(torch.long, per_token=True)],
                                          dev, max_tokens=max_tokens)
-        has_first_draft = self.cfg.graph_first_draft and self.drafter is not None
-        verify = self._verify_and_first_draft if has_first_draft else self._verify_target
+        whole_step = self.cfg.graph_first_draft and self.drafter is not None
+        verify = self._decode_step if whole_step else self._verify_target
         self.verify_graphs = StepGraphs(verify, slots, kv_buckets(self.cache_len), dummy, [], dev)
         graphs = [self.prefill_graphs, self.verify_graphs]
         if self.drafter is not None and self.K > 1:
