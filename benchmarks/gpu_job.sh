@@ -3,7 +3,7 @@
 # each skipped once the time budget ($BUDGET seconds, default 540) would be overrun. All parts take
 # ~800 s, more than one device call may run (600 s): split them over two calls with PARTS.
 #   graphs    plain, EAGLE-3 K=3 with and without overlap; batch 1, 8, 32; CUDA graphs
-#   firstdraft EAGLE-3 K=3 and K=5 with overlap, the first draft forward captured with the verify pass
+#   firstdraft EAGLE-3 K=3 and K=5 with overlap, the whole decode step as one graph (--graph-first-draft)
 #   hf        Hugging Face generate (plain, prompt lookup) on the same prompts
 #   k5        EAGLE-3 K=5 with and without overlap
 #   cudnn     the graphs captured with the memory-efficient attention kernel instead of cuDNN's (A/B)
