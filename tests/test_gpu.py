@@ -49,9 +49,36 @@ def test_no_host_sync_inside_steps():
     assert _generate(DRAFTER, graphs=True, check_sync=True, max_tokens=16, graph_first_draft=True) == plain
 
 
+def test_gqa_attention_equals_folded_under_cudnn():
+    """In bf16 the graphs run GQA attention through cuDNN (the fp32 checks above fold): it must give
+    what the folded form gives, and cuDNN must accept it (forced, so no silent fallback to math)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from workers.attention import CachedAttention, ForwardBatch, attention_inputs, use_gqa
+    from workers.layers import Rotary
+    torch.manual_seed(0)
+    dev, dt, H, KV, D = torch.device("cuda"), torch.bfloat16, 9, 3, 64
+    attn = CachedAttention(576, 576, H, KV, D, Rotary(D, 1024, 10000.0)).to(dev, dt)
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        for B, T in ((8, 4), (4, 1), (2, 64)):
+            assert use_gqa(dev, dt, B, T, H)
+            attn.cache = torch.randn(2, B + 1, 512, KV, D, device=dev, dtype=dt)
+            positions = torch.randint(100, 400, (B, 1), device=dev) + torch.arange(T, device=dev)
+            slots = torch.arange(B, device=dev)
+            batch = ForwardBatch(slots, positions, slots.unsqueeze(1).expand(B, T), positions, 512)
+            x = torch.randn(B, T, 576, device=dev, dtype=dt)
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                gqa = attn(x, batch, attention_inputs(batch, attn, dt, gqa=True))
+            folded = attn(x, batch, attention_inputs(batch, attn, dt, gqa=False))
+            torch.testing.assert_close(gqa, folded, rtol=2e-2, atol=2e-2)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 if __name__ == "__main__":
     results = {}
-    for test in (test_graphs_equal_eager_and_spec_equals_plain, test_no_host_sync_inside_steps):
+    for test in (test_graphs_equal_eager_and_spec_equals_plain, test_no_host_sync_inside_steps,
+                 test_gqa_attention_equals_folded_under_cudnn):
         try:
             test()
             results[test.__name__] = "passed"

@@ -30,6 +30,26 @@ def full_forward_logits(model: Llama, ids: list[int]) -> torch.Tensor:
     return model.logits(hidden)[0]
 
 
+def test_gqa_attention_equals_folded(tmp_path, monkeypatch):
+    """Both ways of running the attention (GQA from strided queries, or the query heads folded into
+    the query length) give the same logits, for one and for several tokens per row, over cached keys."""
+    import workers.attention
+    model = our_llama(write_tiny_llama(tmp_path / "m", num_heads=4, num_kv_heads=2, seed=5))
+    for layer in model.layers:  # 2 slots + dummy, random: rows past each position must stay masked
+        layer.self_attn.cache = torch.randn(2, 3, *layer.self_attn.cache.shape[2:])
+    ids = torch.tensor(tiny_prompts(2, seed=3, min_len=5, max_len=5))
+    logits = {}
+    for gqa in (True, False):
+        monkeypatch.setattr(workers.attention, "use_gqa", lambda *args, gqa=gqa: gqa)
+        for T in (5, 1):
+            positions = torch.tensor([[7], [11]]) + torch.arange(T)
+            batch = ForwardBatch(torch.tensor([0, 1]), positions, torch.tensor([[0], [1]]).expand(2, T), positions, 32)
+            hidden, _ = model(ids[:, :T], batch)
+            logits[gqa, T] = model.logits(hidden)
+    for T in (5, 1):
+        torch.testing.assert_close(logits[True, T], logits[False, T], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("tie, layers", [(False, 4), (True, 2)])
 def test_tiny_logits_match_hf(tmp_path, tie, layers):
     from transformers import AutoModelForCausalLM

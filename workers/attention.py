@@ -6,10 +6,19 @@ a rejected draft costs nothing: its row is simply overwritten by the next token 
 
 A small model's step is bound by how many kernels it runs, not by their work, so each layer keeps
 its count low: RoPE tables and the mask are built once per forward, queries and keys are rotated
-together, keys and values are gathered together, and the query heads of a KV group are folded into
-the query length so the attention runs as plain multi-head attention over the KV heads (the
-memory-efficient kernel takes a mask; none of the GQA-aware kernels does).
+together, and keys and values are gathered together. The attention itself runs one of two ways:
+- GQA: cuDNN's kernel reads the query heads of each KV group itself, from queries strided out of
+  the QKV projection, with one mask row per token: no copies around it. Only cuDNN takes a mask
+  with GQA, and it runs only inside CUDA graphs (see ModelRunner).
+- Folded: the query heads of a KV group are folded into the query length, so the attention is plain
+  multi-head attention over the KV heads, which the memory-efficient kernel runs with a mask; it
+  costs copies of the queries, the mask and (for several tokens per row) the output.
+`benchmarks/sdpa_probe.py` measured both in graphs on the H200: GQA is 1.2-3.4x faster for one token
+per row and for prefills, and for a few tokens per row (the verify pass) while batch x heads fits
+in one wave over the SMs; past that, folding packs the rows better and is up to 3x faster.
 """
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,22 +40,43 @@ class ForwardBatch:
 
 @dataclass
 class AttentionInputs:
-    """What every layer of one forward shares: RoPE tables [B, T, 1, D] and the additive mask
-    [B, 1, T * group, S], one row per (token, query head of a KV group)."""
+    """What every layer of one forward shares: RoPE tables [B, T, 1, D] and the additive mask,
+    [B, 1, T, S] for GQA or [B, 1, T * group, S] folded (a row per token and query head of a group)."""
     cos: torch.Tensor
     sin: torch.Tensor
     bias: torch.Tensor
+    gqa: bool
 
 
-def attention_inputs(batch: ForwardBatch, attn: "CachedAttention", dtype: torch.dtype) -> AttentionInputs:
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def use_gqa(device: torch.device, dtype: torch.dtype, batch_size: int, tokens: int, heads: int) -> bool:
+    """Whether cuDNN's GQA attention runs this shape, and faster than folding (sdpa_probe.py).
+    EAGLESERVE_GQA=0 always folds (for A/B runs)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or \
+            not torch.backends.cuda.cudnn_sdp_enabled() or os.environ.get("EAGLESERVE_GQA") == "0":
+        return False
+    return tokens == 1 or tokens >= 64 or batch_size * heads <= _num_sms(device)
+
+
+def attention_inputs(batch: ForwardBatch, attn: "CachedAttention", dtype: torch.dtype,
+                     gqa: bool | None = None) -> AttentionInputs:
     cos, sin = attn.rotary.tables(batch.positions, dtype)
     B, T = batch.positions.shape
-    key_pos = torch.arange(batch.kv_len, device=batch.positions.device)
+    device = batch.positions.device
+    if gqa is None:
+        gqa = use_gqa(device, dtype, B, T, attn.heads)
+    key_pos = torch.arange(batch.kv_len, device=device)
     hidden_keys = key_pos.view(1, 1, -1) > batch.positions.unsqueeze(-1)          # [B, T, S]
-    bias = torch.zeros(hidden_keys.shape, dtype=dtype, device=hidden_keys.device).masked_fill_(hidden_keys, float("-inf"))
-    group = attn.heads // attn.kv_heads
-    bias = bias.unsqueeze(2).expand(B, T, group, batch.kv_len).reshape(B, 1, T * group, batch.kv_len)
-    return AttentionInputs(cos, sin, bias)
+    bias = torch.zeros(hidden_keys.shape, dtype=dtype, device=device).masked_fill_(hidden_keys, float("-inf"))
+    bias = bias.unsqueeze(1)                                                      # [B, 1, T, S]
+    if not gqa:
+        group = attn.heads // attn.kv_heads
+        bias = bias.unsqueeze(3).expand(B, 1, T, group, batch.kv_len).reshape(B, 1, T * group, batch.kv_len)
+    return AttentionInputs(cos, sin, bias, gqa)
 
 
 def allocate_kv_cache(num_layers: int, num_slots: int, max_len: int, kv_heads: int, head_dim: int,
@@ -78,6 +108,10 @@ class CachedAttention(nn.Module):
         self.cache[0].index_put_((batch.write_slots, batch.write_positions), qk[:, :, H:])
         self.cache[1].index_put_((batch.write_slots, batch.write_positions), qkv[:, :, H + KV:])
         kv = self.cache[:, batch.slots, :batch.kv_len].transpose(2, 3)           # [2, B, KV, S, D]
+        if inputs.gqa:
+            out = F.scaled_dot_product_attention(qk[:, :, :H].transpose(1, 2), kv[0], kv[1], attn_mask=inputs.bias,
+                                                 enable_gqa=True)                 # [B, H, T, D]
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))
         group = H // KV
         q = qk[:, :, :H].reshape(B, T, KV, group, D).transpose(1, 2).reshape(B, KV, T * group, D)
         out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=inputs.bias)  # [B, KV, T * group, D]

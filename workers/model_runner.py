@@ -72,7 +72,8 @@ class ModelRunner:
             # sampled verify, long prefills) meet a new (batch, kv_len) every few steps: they use the
             # memory-efficient kernel. Graphs have fixed shapes (one plan each, built at capture) and
             # are captured with cuDNN, which made plain decoding 1.26x and EAGLE-3 1.31x faster at
-            # batch 8 on the H200; EAGLESERVE_CUDNN_IN_GRAPHS=0 captures them without it.
+            # batch 8 on the H200, and lets them run GQA attention without copies (workers/attention.py);
+            # EAGLESERVE_CUDNN_IN_GRAPHS=0 captures them without it.
             torch.backends.cuda.enable_cudnn_sdp(False)
         start = time.perf_counter()
         model_dir = resolve_model(cfg.model)
