@@ -107,10 +107,11 @@ def cmd_train_drafter(args) -> None:
                                      "max_steps": args.max_steps, "draft_vocab_size": args.draft_vocab_size,
                                      "ttt_steps": args.ttt_steps, "time_limit_s": args.time_limit,
                                      "device": args.device}.items() if v is not None})
-    if args.prompts or args.num_prompts:
-        fields["distill"] = {**fields.get("distill", {}), **({"prompt_files": args.prompts} if args.prompts else {}),
-                             **({"num_prompts": args.num_prompts} if args.num_prompts else {})}
-    summary = train_drafter(TrainConfig(**fields))
+    distill = {k: v for k, v in {"prompt_files": args.prompts, "num_prompts": args.num_prompts,
+                                 "time_limit_s": args.distill_time_limit}.items() if v is not None}
+    if distill:
+        fields["distill"] = {**fields.get("distill", {}), **distill}
+    summary = train_drafter(TrainConfig(**fields), distill_only=args.distill_only)
     print(json.dumps(summary), file=sys.stderr)
 
 
@@ -227,13 +228,16 @@ def main(argv=None) -> None:
     train.add_argument("--config", type=Path, help="JSON with TrainConfig fields (flags override it)")
     train.add_argument("--model", help="target: model name, HF directory or .gguf file")
     train.add_argument("-o", "--output", help="directory of the exported drafter")
-    train.add_argument("--data", help="self-distilled token file (generated when absent)")
+    train.add_argument("--data", help="directory of self-distilled data (generated when empty)")
+    train.add_argument("--distill-only", action="store_true",
+                       help="distil one more part of data, continuing the prompt order, and stop")
     train.add_argument("--prompts", nargs="+", help="JSONL(.gz) prompt files for self-distillation")
     train.add_argument("--num-prompts", type=int)
     train.add_argument("--max-steps", type=int)
     train.add_argument("--draft-vocab-size", type=int)
     train.add_argument("--ttt-steps", type=int, help="unrolled draft steps")
     train.add_argument("--time-limit", type=float, help="seconds of training; then checkpoint and stop")
+    train.add_argument("--distill-time-limit", type=float, help="seconds of self-distillation (admitting prompts)")
     train.add_argument("--device", choices=["auto", "cpu", "cuda"])
     train.set_defaults(func=cmd_train_drafter)
 

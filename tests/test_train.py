@@ -1,17 +1,21 @@
-"""Drafter training on CPU: the TTT mask, a tiny end-to-end run (self-distillation through the
-engine, training, resume, export) and the exported drafter's acceptance against a random one."""
+"""Drafter training on CPU: the TTT mask, distillation in parts, a tiny end-to-end run
+(self-distillation through the engine, training, resume, export) and the exported drafter's
+acceptance against a random one."""
 import json
+import subprocess
+import sys
 
+import numpy as np
 import pytest
+import torch
 
 from speculative.config import EngineConfig, SamplingParams
 from speculative.drafter import drafter_config_for, random_drafter_state, save_drafter
 from speculative.engine import LLMEngine, encode_prompt
 from speculative.train.config import DistillConfig, TrainConfig
-from speculative.train.data import length_sorted_chunks, prompt_order, self_distill
+from speculative.train.data import (TokenStore, data_parts, length_sorted_chunks, load_data, prompt_order, save_parts,
+                                    self_distill)
 from speculative.train.pipeline import train_drafter
-import torch
-
 from speculative.train.ttt import ttt_loss, ttt_mask
 from workers.llama import LlamaConfig
 from tiny_models import tiny_llama
@@ -84,6 +88,57 @@ def test_distillation_keeps_undistilled_prompts(tmp_path):
     assert (responses > 0).sum() == 3 and (responses == 0).sum() == len(QUESTIONS) - 3
 
 
+def test_distillation_continues_in_parts(tmp_path):
+    """Each distill-only run adds a part that continues the prompt order where the earlier parts
+    stopped: every prompt once across the parts, and nothing more once the order is used up."""
+    model = tiny_target(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
+    cfg = TrainConfig(model=str(model), output=str(tmp_path / "drafter"), data=str(tmp_path / "data"), device="cpu",
+                      distill=DistillConfig(prompt_files=[str(prompts)], num_prompts=3, max_tokens=8,
+                                            sampled_fraction=0.0, max_batch_size=4, max_prompt_len=128))
+    first = train_drafter(cfg, distill_only=True)
+    assert first["num_parts"] == 1 and first["num_sequences"] == 3
+    everything = cfg.model_copy(update={"distill": cfg.distill.model_copy(update={"num_prompts": 100})})
+    assert train_drafter(everything, distill_only=True)["num_sequences"] == len(QUESTIONS)
+    assert train_drafter(everything, distill_only=True)["num_parts"] == 2  # nothing left: no third part
+    parts = [TokenStore.load(p) for p in data_parts(tmp_path / "data")]
+    tokenizer = LLMEngine(EngineConfig(model=str(model), drafter="none", device="cpu", max_batch_size=1)).tokenizer
+    prompts_of = [[tuple(s.seq(i)[:s.prompt_lens[i]].tolist()) for i in range(len(s))] for s in parts]
+    assert len(prompts_of[0]) == 3 and len(prompts_of[1]) == len(QUESTIONS) - 3
+    assert sorted(prompts_of[0] + prompts_of[1]) == sorted(tuple(encode_prompt(tokenizer, q)) for q in QUESTIONS)
+    assert all((s.lengths > s.prompt_lens).all() for s in parts)
+    data = load_data(tmp_path / "data")
+    assert [tuple(data.seq(i).tolist()) for i in range(len(data))] == \
+        [tuple(s.seq(i).tolist()) for s in parts for i in range(len(s))]
+
+
+def test_cli_distill_only(tmp_path):
+    """`eagleserve train-drafter --distill-only` writes a data part and trains nothing."""
+    model = tiny_target(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
+    proc = subprocess.run([sys.executable, "-m", "deployments.cli", "train-drafter", "--model", str(model),
+                           "-o", str(tmp_path / "drafter"), "--data", str(tmp_path / "data"), "--prompts", str(prompts),
+                           "--num-prompts", "5", "--distill-time-limit", "60", "--device", "cpu", "--distill-only"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stderr.strip().splitlines()[-1])["num_sequences"] == 5
+    assert len(load_data(tmp_path / "data")) == 5 and not (tmp_path / "drafter").exists()
+
+
+@pytest.mark.parametrize("largest", [60000, 70000])
+def test_token_store_parts_roundtrip(tmp_path, largest):
+    """Parts of at most max_part_tokens tokens (a longer sequence alone), stored as uint16 when the
+    ids fit, int32 otherwise; read back as the same sequences either way."""
+    seqs = [[1, 2, largest], [5], [6, 7, 8, 9, 10], [11, 12]]
+    paths = save_parts(tmp_path, TokenStore.from_lists(seqs, [1, 1, 2, 1]), max_part_tokens=4)
+    assert [len(TokenStore.load(p)) for p in paths] == [2, 1, 1]
+    back = load_data(tmp_path)
+    assert back.tokens.dtype == np.int32 and [back.seq(i).tolist() for i in range(len(back))] == seqs
+    assert back.prompt_lens.tolist() == [1, 1, 2, 1]
+
+
 def tiny_target(path):
     return tiny_llama(path, layers=4)
 
@@ -94,7 +149,7 @@ def trained(tmp_path_factory):
     model = tiny_target(root / "target")
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
-    cfg = TrainConfig(model=str(model), output=str(root / "drafter"), data=str(root / "data.safetensors"),
+    cfg = TrainConfig(model=str(model), output=str(root / "drafter"), data=str(root / "data"),
                       distill=DistillConfig(prompt_files=[str(prompts)], max_tokens=48, sampled_fraction=0.0,
                                             max_batch_size=8, max_prompt_len=128),
                       draft_vocab_size=256, ttt_steps=3, lr=3e-3, warmup_steps=5, max_steps=80,

@@ -30,7 +30,7 @@ class TrainConfig(BaseModel):
 
     model: str = "smollm2-135m"
     output: str                                  # exported drafter directory
-    data: str                                    # token file written by self-distillation
+    data: str                                    # directory of self-distilled parts (part-*.safetensors)
     checkpoint: str | None = None                # periodic checkpoints; default: output + ".ckpt"
     distill: DistillConfig = DistillConfig()
     draft_vocab_size: int = Field(4096, ge=2)

@@ -1,6 +1,11 @@
 """Training data: prompts, self-distilled sequences (prompt + the target's own response) stored
-as flat int32 token arrays with offsets in safetensors, the draft vocabulary, and length-bucketed
-batches. Target features and distributions are not stored: they are recomputed per batch."""
+as flat token arrays with offsets in safetensors, the draft vocabulary, and length-bucketed
+batches. Target features and distributions are not stored: they are recomputed per batch.
+
+The data directory holds the distilled sequences in parts (part-00000.safetensors, ...), one
+sequence per prompt of the distillation order, in that order. A distillation run continues the
+order after the prompts the parts already hold, so jobs of a few minutes each (the H200 machine's
+limit) grow one dataset, and each part stays small enough to travel between machines."""
 import gzip
 import itertools
 import json
@@ -40,14 +45,57 @@ class TokenStore:
         flat = np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs]) if seqs else np.zeros(0, np.int32)
         return cls(flat, offsets, np.asarray(prompt_lens, dtype=np.int32))
 
+    @classmethod
+    def concat(cls, stores: list["TokenStore"]) -> "TokenStore":
+        offsets = [np.zeros(1, np.int64)]
+        for store in stores:
+            offsets.append(store.offsets[1:] + offsets[-1][-1])
+        return cls(np.concatenate([s.tokens for s in stores] + [np.zeros(0, np.int32)]), np.concatenate(offsets),
+                   np.concatenate([s.prompt_lens for s in stores] + [np.zeros(0, np.int32)]))
+
+    def slice(self, start: int, end: int) -> "TokenStore":
+        offsets = self.offsets[start:end + 1]
+        return TokenStore(self.tokens[offsets[0]:offsets[-1]], offsets - offsets[0], self.prompt_lens[start:end])
+
     def save(self, path: Path) -> None:
+        """uint16 tokens when the vocabulary fits (half the bytes: parts travel between machines)."""
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        save_file({"tokens": self.tokens, "offsets": self.offsets, "prompt_lens": self.prompt_lens}, str(path))
+        tokens = self.tokens.astype(np.uint16) if self.tokens.size and self.tokens.max() < 2**16 else self.tokens
+        save_file({"tokens": tokens, "offsets": self.offsets, "prompt_lens": self.prompt_lens}, str(path))
 
     @classmethod
     def load(cls, path: Path) -> "TokenStore":
         t = load_file(str(path))
-        return cls(t["tokens"], t["offsets"], t["prompt_lens"])
+        return cls(t["tokens"].astype(np.int32), t["offsets"], t["prompt_lens"])
+
+
+# 12 MB in uint16: a file that comes back from the H200 machine may have at most 16 MiB
+MAX_PART_TOKENS = 6_000_000
+
+
+def data_parts(directory: Path) -> list[Path]:
+    return sorted(Path(directory).glob("part-*.safetensors"))
+
+
+def load_data(directory: Path) -> TokenStore:
+    """Every part of a data directory, in order, as one store."""
+    parts = data_parts(directory)
+    if not parts:
+        raise FileNotFoundError(f"no self-distilled data (part-*.safetensors) in {directory}")
+    return TokenStore.concat([TokenStore.load(p) for p in parts])
+
+
+def save_parts(directory: Path, store: TokenStore, max_part_tokens: int = MAX_PART_TOKENS) -> list[Path]:
+    """Append `store` to the directory as parts of at most `max_part_tokens` tokens each."""
+    paths, start = [], 0
+    while start < len(store):
+        end = start + 1
+        while end < len(store) and store.offsets[end + 1] - store.offsets[start] <= max_part_tokens:
+            end += 1
+        paths.append(Path(directory) / f"part-{len(data_parts(directory)):05d}.safetensors")
+        store.slice(start, end).save(paths[-1])
+        start = end
+    return paths
 
 
 def read_prompts(files: list[str]) -> list[str]:
@@ -63,20 +111,24 @@ def read_prompts(files: list[str]) -> list[str]:
     return prompts
 
 
-def self_distill(engine, cfg: DistillConfig) -> TokenStore:
+def self_distill(engine, cfg: DistillConfig, skip: int = 0) -> TokenStore:
     """Regenerate responses with the target through our engine (drafter "none"); a response that
-    ended on EOS keeps that EOS, so the drafter learns where answers stop."""
+    ended on EOS keeps that EOS, so the drafter learns where answers stop. Starts after the first
+    `skip` prompts of the order (those earlier runs covered); `num_prompts` counts from the start.
+    Every prompt taken, distilled or kept undistilled, becomes one sequence, in order."""
     from speculative.config import SamplingParams
     from speculative.engine import encode_prompt
     texts = prompt_order(read_prompts(cfg.prompt_files), cfg)
     encoded = length_sorted_chunks((encode_prompt(engine.tokenizer, t) for t in texts), 4 * engine.executor.num_slots,
                                    cfg.max_prompt_len)
+    encoded = itertools.islice(encoded, skip, None)
     rng = random.Random(cfg.seed + 1)
     greedy = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens)
     eos = engine.tokenizer.eos_token_id
     engine.scheduler.tokenizer = None  # no detokenizing: nothing reads the text, and it costs host time
     requests, start = [], time.perf_counter()
-    bar = tqdm(total=min(cfg.num_prompts, len(texts)), desc="self-distillation", unit="seq")
+    num_prompts = cfg.num_prompts - skip
+    bar = tqdm(total=max(min(num_prompts, len(texts) - skip), 0), desc="self-distillation", unit="seq")
     is_admitting = True
     num_slots = engine.executor.num_slots
 
@@ -91,7 +143,7 @@ def self_distill(engine, cfg: DistillConfig) -> TokenStore:
         # request would make the generation several times slower.
         if is_admitting and num_busy() <= num_slots * 3 // 4:
             for _ in range(num_slots - num_busy()):
-                ids = next(encoded, None) if len(requests) < cfg.num_prompts else None
+                ids = next(encoded, None) if len(requests) < num_prompts else None
                 if ids is None:
                     is_admitting = False
                     break

@@ -1,18 +1,32 @@
 #!/bin/bash
-# H200 commands: self-distill, train and export the SmolLM2-135M drafter (part "train"), then
-# measure its acceptance (part "acceptance"); `h200_job.sh` alone runs both. Run from the repo
-# root after the .device bundles are staged (see README in speculative/drafters/smollm2-135m).
-# Writes the drafter, logs and results under $OUT.
+# H200 commands for the SmolLM2-135M drafter. Parts (`h200_job.sh PART...`; default "train acceptance"):
+#   distill     self-distil one more stretch of the prompt order (DISTILL_S seconds, default 420) and
+#               return the new data parts in $OUT/data
+#   train       train and export (distilling first when no data is there; TRAIN_S overrides the
+#               config's training time limit)
+#   acceptance  measure the drafter's acceptance
+# Data parts travel between jobs in .device/distilled: copy them there from $OUT/data and carry
+# that folder. Run from the repo root after the .device bundles are staged (see README in
+# speculative/drafters/smollm2-135m). Writes the drafter, logs and results under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=15
 CONFIG=${CONFIG:-speculative/train/smollm2_135m.json}
 MODEL=/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf
 DRAFTER=${DRAFTER_OUT:-/tmp/eagle/drafter}
+DATA=/tmp/eagle/data
 PARTS=${*:-train acceptance}
-mkdir -p /tmp/eagle "$OUT/drafter"
+mkdir -p $DATA "$OUT/drafter"
+cp -n .device/distilled/part-*.safetensors $DATA/ 2>/dev/null
+TRAIN="python3 -m deployments.cli -v train-drafter --config $CONFIG --data $DATA"
+if [[ " $PARTS " == *" distill "* ]]; then
+    before=$(ls $DATA | wc -l)
+    $TRAIN --distill-only --distill-time-limit ${DISTILL_S:-420} 2>&1 | grep -v "^\s*$" | tail -c 2000
+    mkdir -p "$OUT/data"
+    ls $DATA/part-*.safetensors | tail -n +$((before + 1)) | xargs -r cp -t "$OUT/data/"
+fi
 if [[ " $PARTS " == *" train "* ]]; then
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-    python3 -m deployments.cli -v train-drafter --config "$CONFIG" 2>&1 | tee "$OUT/train.log" | grep -v "^\s*$" | tail -c 4000
+    $TRAIN ${TRAIN_S:+--time-limit $TRAIN_S} 2>&1 | tee "$OUT/train.log" | grep -v "^\s*$" | tail -c 4000
     # at most 8 files of at most 16 MiB come back: the weight shards as they are, the JSON in one tar
     cp $DRAFTER.ckpt/vocab_coverage.json $DRAFTER/ 2>/dev/null
     cp $DRAFTER/*.safetensors "$OUT/drafter/"

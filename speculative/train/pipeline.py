@@ -1,4 +1,5 @@
-"""`eagleserve train-drafter`: self-distill the data (once), then train and export the drafter."""
+"""`eagleserve train-drafter`: self-distill the data (when there is none, or more with
+`distill_only`), then train and export the drafter."""
 import gc
 import logging
 import time
@@ -7,30 +8,32 @@ from pathlib import Path
 import torch
 
 from speculative.train.config import TrainConfig
-from speculative.train.data import TokenStore, self_distill
+from speculative.train.data import TokenStore, data_parts, load_data, save_parts, self_distill
 from speculative.train.trainer import train
 
 log = logging.getLogger(__name__)
 
 
 def distill(cfg: TrainConfig) -> TokenStore:
-    """Regenerate the training responses with the target through our own engine."""
+    """Regenerate training responses with the target through our own engine, continuing after the
+    prompts that the parts already in the data directory cover."""
     from speculative.config import EngineConfig
     from speculative.engine import LLMEngine
     d = cfg.distill
     if not d.prompt_files:
-        raise ValueError(f"no data file at {cfg.data} and no prompt files to generate it from")
+        raise ValueError(f"no self-distilled data in {cfg.data} and no prompt files to generate it from")
+    skip = len(load_data(Path(cfg.data))) if data_parts(Path(cfg.data)) else 0
     max_len = d.max_prompt_len + d.max_tokens + 1
     engine = LLMEngine(EngineConfig(
         model=cfg.model, drafter="none", device=cfg.device, max_batch_size=d.max_batch_size,
         # the runner pads a prefill batch to its longest prompt: budget for the padded size
         max_model_len=max_len, max_num_batched_tokens=max(max_len, d.max_batch_size * d.max_prompt_len)))
     start = time.perf_counter()
-    store = self_distill(engine, d)
+    store = self_distill(engine, d, skip)
     seconds = time.perf_counter() - start
     num_response = int(store.lengths.sum() - store.prompt_lens.sum())
-    log.info("self-distillation: %d sequences, %d response tokens in %.0f s (%.0f tokens/s)",
-             len(store), num_response, seconds, num_response / max(seconds, 1e-9))
+    log.info("self-distillation: %d sequences after the %d prompts of earlier parts, %d response tokens "
+             "in %.0f s (%.0f tokens/s)", len(store), skip, num_response, seconds, num_response / max(seconds, 1e-9))
     del engine
     gc.collect()
     if torch.cuda.is_available():
@@ -38,10 +41,20 @@ def distill(cfg: TrainConfig) -> TokenStore:
     return store
 
 
-def train_drafter(cfg: TrainConfig) -> dict:
+def train_drafter(cfg: TrainConfig, distill_only: bool = False) -> dict:
+    """Distil when the data directory is empty, then train; with `distill_only`, add one part of
+    newly distilled data and stop (returns what the directory then holds)."""
+    if distill_only or not data_parts(Path(cfg.data)):
+        store = distill(cfg)
+        if len(store):
+            log.info("wrote %s", ", ".join(str(p) for p in save_parts(Path(cfg.data), store)))
+        else:
+            log.warning("no prompts left to distil after the ones %s covers", cfg.data)
+    if distill_only:
+        data = load_data(Path(cfg.data))
+        return {"num_parts": len(data_parts(Path(cfg.data))), "num_sequences": len(data),
+                "num_response_tokens": int(data.lengths.sum() - data.prompt_lens.sum())}
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     (out / "training_config.json").write_text(cfg.model_dump_json(indent=2))
-    if not Path(cfg.data).is_file():
-        distill(cfg).save(Path(cfg.data))
     return train(cfg)

@@ -14,7 +14,7 @@ from tqdm import tqdm
 from speculative.drafter import (Eagle3Drafter, drafter_config_for, drafter_state_dict, load_drafter,
                                  random_drafter_state, save_drafter)
 from speculative.train.config import TrainConfig
-from speculative.train.data import TokenStore, batches, collate, draft_vocab
+from speculative.train.data import TokenStore, batches, collate, draft_vocab, load_data
 from speculative.train.target import target_draft_probs, target_features
 from speculative.train.ttt import ttt_forward, ttt_loss
 from workers.llama import Llama, LlamaConfig
@@ -101,7 +101,7 @@ def batch_stream(cfg: TrainConfig, store: TokenStore, skip: int):
 
 
 def _setup(cfg: TrainConfig, device, dtype):
-    store = TokenStore.load(Path(cfg.data))
+    store = load_data(Path(cfg.data))
     target = load_target(cfg.model, device, dtype)
     ckpt = Path(cfg.checkpoint or cfg.output + ".ckpt")
     state = json.loads((ckpt / "trainer_state.json").read_text()) if (ckpt / "trainer_state.json").is_file() else None
