@@ -1,11 +1,19 @@
-"""Where greedy drafts miss: for each verify step that rejects a draft, the target token at the first
-rejected position is classed as outside the draft vocabulary (never draftable), copyable (the pair
-of it and the token before it occurs in the prompt, as prompt-lookup decoding would find it), or
-other; per set, with the share of steps whose first draft is accepted.
-Runs the in-process engine without overlap, so the drafts a step verifies can be read from the
-worker's slot state just before it.
+"""Where greedy drafts miss, and why. Two views of one drafter on the same requests, per set:
 
-    python benchmarks/draft_misses.py --sets sum qa gsm8k --num-prompts 8 --max-tokens 96 --device cpu
+1. The engine's view. For each verify step that rejects a draft, the target token at the first
+   rejected position is classed as outside the draft vocabulary (never draftable), copyable (the
+   pair of it and the token before it occurs in the prompt, as prompt-lookup decoding would find
+   it), or other; with the share of steps whose first draft is accepted and the acceptance length.
+2. The training objective's view: teacher-forced accuracy per draft depth (`ttt_forward` over the
+   whole prompt + response, argmax against the target's, over rows whose target token is
+   draftable). If the views disagree, inference does not run the drafter that training made.
+
+Besides the EAGLE sets, `train_seen` takes the first training prompts of the default distillation
+order (distilled and trained on) and `train_unseen` the last ones (never distilled): the gap
+between them is what the drafter memorised rather than learned. Runs the in-process engine
+without overlap, so the drafts a step verifies can be read from the worker's slot state.
+
+    python benchmarks/draft_misses.py --device cpu --num-prompts 8 --max-tokens 128 -o FILE
 """
 import argparse
 import json
@@ -13,6 +21,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -20,12 +29,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from acceptance import load_sets  # noqa: E402  (benchmarks/acceptance.py)
 from speculative.config import EngineConfig, SamplingParams  # noqa: E402
 from speculative.engine import LLMEngine, encode_prompt  # noqa: E402
+from speculative.train.config import DistillConfig  # noqa: E402
+from speculative.train.data import prompt_order, read_prompts  # noqa: E402
+from speculative.train.target import target_draft_probs, target_features  # noqa: E402
+from speculative.train.ttt import ttt_forward, ttt_loss  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-def misses(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> Counter:
-    """Counts of verify steps, first-draft hits and misses by class."""
+def training_prompts(data_root: Path, n: int) -> tuple[list[str], list[str]]:
+    """(first n, last n) prompts of at most 1500 characters in the default distillation order."""
+    files = sorted(str(f) for f in (data_root / "train_prompts").glob("*.jsonl.gz")) + \
+        [str(data_root / "gsm8k" / "train.jsonl.gz")]
+    order = [t for t in prompt_order(read_prompts(files), DistillConfig(prompt_files=files)) if len(t) <= 1500]
+    return order[:n], order[-n:]
+
+
+def misses(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[Counter, list]:
+    """Counts of verify steps, first-draft hits and misses by class; the finished requests."""
     runner, K = engine.executor, engine.cfg.k
     in_vocab = runner.drafter.t2d.cpu()
     requests = [engine.add_request(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
@@ -52,15 +73,34 @@ def misses(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> Coun
             kind = "not_in_draft_vocab" if not in_vocab[pair[1]] else \
                 "copyable" if pair in prompt_pairs[r.request_id] else "other"
             counts[f"miss_{kind}"] += 1
-    return counts
+    counts["verify_steps"] = sum(r.num_verify_steps for r in requests)
+    counts["verify_emitted"] = sum(r.num_verify_emitted for r in requests)
+    return counts, requests
+
+
+@torch.no_grad()
+def teacher_forced_accuracy(engine: LLMEngine, requests: list, depths: int) -> list[float]:
+    runner = engine.executor
+    target, drafter = runner.target, runner.drafter
+    draft_to_target = (torch.arange(drafter.cfg.draft_vocab_size, device=runner.device) + drafter.d2t).long()
+    accuracies = []
+    for r in requests:
+        ids = torch.tensor([r.prompt_ids + r.output_ids], device=runner.device)
+        hidden, aux = target_features(target, ids)
+        probs, is_in_draft = target_draft_probs(target, hidden, draft_to_target)
+        _, accuracy = ttt_loss(ttt_forward(drafter, ids, aux, depths), probs, is_in_draft,
+                               torch.tensor([ids.shape[1]], device=runner.device),
+                               torch.tensor([len(r.prompt_ids)], device=runner.device), decay=1.0)
+        accuracies.append(accuracy.cpu())
+    return [round(a, 4) for a in torch.stack(accuracies).mean(0).tolist()]
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--drafter", default="default")
-    p.add_argument("-k", type=int, default=3)
-    p.add_argument("--sets", nargs="+", default=["gsm8k", "alpaca", "sum", "qa"])
+    p.add_argument("-k", type=int, default=3, help="draft tokens (the engine) and depths (the accuracy)")
+    p.add_argument("--sets", nargs="+", default=["gsm8k", "alpaca", "sum", "qa", "train_seen", "train_unseen"])
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -69,18 +109,22 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     engine = LLMEngine(EngineConfig(model=args.model, drafter=args.drafter, num_draft_tokens=args.k,
                                     max_batch_size=args.num_prompts, device=args.device, overlap=False))
-    sets = load_sets(args.data_root, num_gsm8k_test=0)
+    sets = {name.removeprefix("eagle_"): texts for name, texts in load_sets(args.data_root, 0).items()}
+    sets["train_seen"], sets["train_unseen"] = training_prompts(args.data_root, args.num_prompts)
     results = {}
     for name in tqdm(args.sets, desc="sets"):
-        prompts = [encode_prompt(engine.tokenizer, q) for q in sets[f"eagle_{name}"][:args.num_prompts]]
-        results[name] = dict(misses(engine, prompts, args.max_tokens))
+        prompts = [encode_prompt(engine.tokenizer, q) for q in sets[name][:args.num_prompts]]
+        counts, requests = misses(engine, prompts, args.max_tokens)
+        results[name] = dict(counts, accuracy_by_depth=teacher_forced_accuracy(engine, requests, args.k))
     kinds = ("not_in_draft_vocab", "copyable", "other")
-    print(f"{'set':8} {'steps':>6} {'draft 1 hit':>11} {'misses':>7} {'not in vocab':>12} {'copyable':>9} {'other':>6}")
+    print(f"{'set':12} {'acc len':>7} {'draft 1 hit':>11} {'misses':>7} {'not in vocab':>12} {'copyable':>9} "
+          f"{'other':>6}  accuracy by depth")
     for name, c in results.items():
         total = sum(c.get(f"miss_{k}", 0) for k in kinds)
         share = {k: c.get(f"miss_{k}", 0) / max(total, 1) for k in kinds}
-        print(f"{name:8} {c['steps']:>6} {c['first_draft_hit'] / max(c['steps'], 1):>11.2f} {total:>7} "
-              f"{share['not_in_draft_vocab']:>12.1%} {share['copyable']:>9.1%} {share['other']:>6.1%}")
+        print(f"{name:12} {c['verify_emitted'] / max(c['verify_steps'], 1):>7.2f} "
+              f"{c['first_draft_hit'] / max(c['steps'], 1):>11.2f} {total:>7} {share['not_in_draft_vocab']:>12.1%} "
+              f"{share['copyable']:>9.1%} {share['other']:>6.1%}  {' '.join(f'{a:.2f}' for a in c['accuracy_by_depth'])}")
     if args.output:
         args.output.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "sets": results}, indent=1))
 
