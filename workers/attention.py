@@ -9,7 +9,7 @@ its count low: RoPE tables and the mask are built once per forward, queries and 
 together, and keys and values are gathered together. The attention itself runs one of two ways:
 - GQA: cuDNN's kernel reads the query heads of each KV group itself, from queries strided out of
   the QKV projection, with one mask row per token: no copies around it. Only cuDNN takes a mask
-  with GQA, and it runs only inside CUDA graphs (see ModelRunner).
+  with GQA, and ModelRunner enables cuDNN only while it captures CUDA graphs.
 - Folded: the query heads of a KV group are folded into the query length, so the attention is plain
   multi-head attention over the KV heads, which the memory-efficient kernel runs with a mask; it
   costs copies of the queries, the mask and (for several tokens per row) the output.

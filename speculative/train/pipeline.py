@@ -42,8 +42,8 @@ def distill(cfg: TrainConfig) -> TokenStore:
 
 
 def train_drafter(cfg: TrainConfig, distill_only: bool = False) -> dict:
-    """Distil when the data directory is empty, then train; with `distill_only`, add one part of
-    newly distilled data and stop (returns what the directory then holds)."""
+    """Distil when the data directory is empty, then train; with `distill_only`, add the parts of
+    one more distillation run and stop (returns what the directory then holds)."""
     if distill_only or not data_parts(Path(cfg.data)):
         store = distill(cfg)
         if len(store):
