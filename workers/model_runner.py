@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from speculative.config import EngineConfig
-from speculative.plan import StepPlan, StepResult
+from speculative.plan import StepPlan
 from speculative.resource_manager import Eagle3ResourceManager
 from speculative.verify import ACCEPT_STREAM, SAMPLE_STREAM, sample, target_probs, uniform, verify_greedy, \
     verify_sampled
@@ -22,31 +22,11 @@ from workers.layers import tp_rank_size
 from workers.llama import LlamaConfig
 from workers.device import pick_device, pick_dtype
 from workers.loader import load_config, load_models, resolve_model
+from workers.step_io import StepOutput, prepare_inputs, send_back
 from workers.sync_guard import no_host_sync
 
 log = logging.getLogger(__name__)
 PREFILL_GRAPH_TOKENS = 2048  # prefills of up to this many (padded) tokens run as CUDA graphs
-
-
-@dataclass
-class StepOutput:
-    """Results on their way to the host: an async copy into (pinned) host memory plus an event."""
-    step_id: int
-    tokens: torch.Tensor
-    num_emitted: torch.Tensor
-    event: torch.cuda.Event | None
-    execute_s: float
-    start_event: torch.cuda.Event | None = None
-    received_at: float = 0.0
-    launched_at: float = 0.0
-
-    def result(self) -> StepResult:
-        device_s = 0.0
-        if self.event is not None:
-            self.event.synchronize()
-            device_s = self.start_event.elapsed_time(self.event) / 1000
-        return StepResult(self.step_id, self.tokens.numpy(), self.num_emitted.numpy(), self.execute_s, device_s,
-                          self.received_at, self.launched_at, time.time())
 
 
 @dataclass
@@ -145,35 +125,17 @@ class ModelRunner:
         for row in plan.prefills:
             self.resources.allocate(row.slot)
         self.resources.check_allocated(plan.decode_slots)
-        inputs = self._prepare(plan)
+        inputs = prepare_inputs(plan, self.device)
         start_event = None
         if self.device.type == "cuda":
             start_event = torch.cuda.Event(enable_timing=True)
             start_event.record()
         with no_host_sync(self.check_host_sync):
             tokens, num_emitted = self._run(plan, inputs)
-        output = self._send_back(plan.step_id, tokens, num_emitted, time.perf_counter() - start)
+        output = send_back(plan.step_id, tokens, num_emitted, time.perf_counter() - start)
         output.start_event = start_event
         output.received_at, output.launched_at = received_at, time.time()
         return output
-
-    def _prepare(self, plan: StepPlan) -> dict[str, torch.Tensor]:
-        """Every input built in (pinned) host tensors, then copied together, non-blocking."""
-        host = {"decode_slots": torch.tensor(plan.decode_slots, dtype=torch.long)}
-        if plan.prefills:
-            T = max(len(p.token_ids) for p in plan.prefills)
-            ids = torch.zeros(len(plan.prefills), T, dtype=torch.long)
-            for i, p in enumerate(plan.prefills):
-                ids[i, :len(p.token_ids)] = torch.tensor(p.token_ids)
-            host["prefill_ids"] = ids
-            host["prefill_lens"] = torch.tensor([len(p.token_ids) for p in plan.prefills])
-            host["prefill_slots"] = torch.tensor([p.slot for p in plan.prefills])
-            host["prefill_seeds"] = torch.tensor([p.seed for p in plan.prefills])
-            host["prefill_temperature"] = torch.tensor([p.temperature for p in plan.prefills])
-            host["prefill_top_p"] = torch.tensor([p.top_p for p in plan.prefills])
-            host["prefill_top_k"] = torch.tensor([p.top_k for p in plan.prefills])
-        pin = self.device.type == "cuda"
-        return {k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) for k, v in host.items()}
 
     def _run(self, plan: StepPlan, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         outs, seeds = [], []
@@ -370,16 +332,3 @@ class ModelRunner:
         self.graph_pool_bytes = free_before - torch.cuda.mem_get_info()[0]
         log.info("rank %d: captured %d CUDA graphs in %.1f s (%.1f MiB)", self.rank, sum(len(g.graphs) for g in graphs),
                  time.perf_counter() - start, self.graph_pool_bytes / 2**20)
-
-    def _send_back(self, step_id, tokens, num_emitted, execute_s) -> StepOutput:
-        if self.device.type != "cuda":
-            return StepOutput(step_id, tokens.clone(), num_emitted.clone(), None, execute_s)
-        tokens_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        emitted_host = torch.empty(num_emitted.shape, dtype=num_emitted.dtype, pin_memory=True)
-        tokens_host.copy_(tokens, non_blocking=True)
-        emitted_host.copy_(num_emitted, non_blocking=True)
-        # blocking: the sender thread sleeps until the copy is done. A spinning wait (the default)
-        # slows every kernel launch of the next step in the main thread by 3-4x (measured on the H200).
-        event = torch.cuda.Event(enable_timing=True, blocking=True)
-        event.record()
-        return StepOutput(step_id, tokens_host, emitted_host, event, execute_s)

@@ -1,0 +1,63 @@
+"""A step's host-device traffic: its inputs built in pinned host tensors and copied to the device
+together, non-blocking; its results copied back asynchronously into pinned host memory, with an
+event that the rank-0 sender thread waits on (DESIGN: the overlap scheduler)."""
+import time
+from dataclasses import dataclass
+
+import torch
+
+from speculative.plan import StepPlan, StepResult
+
+
+@dataclass
+class StepOutput:
+    """Results on their way to the host: an async copy into (pinned) host memory plus an event."""
+    step_id: int
+    tokens: torch.Tensor
+    num_emitted: torch.Tensor
+    event: torch.cuda.Event | None
+    execute_s: float
+    start_event: torch.cuda.Event | None = None
+    received_at: float = 0.0
+    launched_at: float = 0.0
+
+    def result(self) -> StepResult:
+        device_s = 0.0
+        if self.event is not None:
+            self.event.synchronize()
+            device_s = self.start_event.elapsed_time(self.event) / 1000
+        return StepResult(self.step_id, self.tokens.numpy(), self.num_emitted.numpy(), self.execute_s, device_s,
+                          self.received_at, self.launched_at, time.time())
+
+
+def prepare_inputs(plan: StepPlan, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every input built in (pinned) host tensors, then copied together, non-blocking."""
+    host = {"decode_slots": torch.tensor(plan.decode_slots, dtype=torch.long)}
+    if plan.prefills:
+        T = max(len(p.token_ids) for p in plan.prefills)
+        ids = torch.zeros(len(plan.prefills), T, dtype=torch.long)
+        for i, p in enumerate(plan.prefills):
+            ids[i, :len(p.token_ids)] = torch.tensor(p.token_ids)
+        host["prefill_ids"] = ids
+        host["prefill_lens"] = torch.tensor([len(p.token_ids) for p in plan.prefills])
+        host["prefill_slots"] = torch.tensor([p.slot for p in plan.prefills])
+        host["prefill_seeds"] = torch.tensor([p.seed for p in plan.prefills])
+        host["prefill_temperature"] = torch.tensor([p.temperature for p in plan.prefills])
+        host["prefill_top_p"] = torch.tensor([p.top_p for p in plan.prefills])
+        host["prefill_top_k"] = torch.tensor([p.top_k for p in plan.prefills])
+    pin = device.type == "cuda"
+    return {k: (v.pin_memory() if pin else v).to(device, non_blocking=True) for k, v in host.items()}
+
+
+def send_back(step_id: int, tokens: torch.Tensor, num_emitted: torch.Tensor, execute_s: float) -> StepOutput:
+    if tokens.device.type != "cuda":
+        return StepOutput(step_id, tokens.clone(), num_emitted.clone(), None, execute_s)
+    tokens_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    emitted_host = torch.empty(num_emitted.shape, dtype=num_emitted.dtype, pin_memory=True)
+    tokens_host.copy_(tokens, non_blocking=True)
+    emitted_host.copy_(num_emitted, non_blocking=True)
+    # blocking: the sender thread sleeps until the copy is done. A spinning wait (the default)
+    # slows every kernel launch of the next step in the main thread by 3-4x (measured on the H200).
+    event = torch.cuda.Event(enable_timing=True, blocking=True)
+    event.record()
+    return StepOutput(step_id, tokens_host, emitted_host, event, execute_s)
