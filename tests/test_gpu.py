@@ -61,7 +61,7 @@ def test_gqa_attention_equals_folded_under_cudnn():
     torch.backends.cuda.enable_cudnn_sdp(True)
     try:
         for B, T in ((8, 4), (4, 1), (2, 64)):
-            assert use_gqa(dev, dt, B, T, H)
+            assert use_gqa(dev, dt, B, T, H, D)
             attn.cache = torch.randn(2, B + 1, 512, KV, D, device=dev, dtype=dt)
             positions = torch.randint(100, 400, (B, 1), device=dev) + torch.arange(T, device=dev)
             slots = torch.arange(B, device=dev)

@@ -53,10 +53,12 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def use_gqa(device: torch.device, dtype: torch.dtype, batch_size: int, tokens: int, heads: int) -> bool:
+def use_gqa(device: torch.device, dtype: torch.dtype, batch_size: int, tokens: int, heads: int,
+            head_dim: int) -> bool:
     """Whether cuDNN's GQA attention runs this shape, and faster than folding (sdpa_probe.py).
+    Anything cuDNN cannot run would fall back to the math kernel, many times slower: fold instead.
     EAGLESERVE_GQA=0 always folds (for A/B runs)."""
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or \
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or head_dim > 128 or \
             not torch.backends.cuda.cudnn_sdp_enabled() or os.environ.get("EAGLESERVE_GQA") == "0":
         return False
     return tokens == 1 or tokens >= 64 or batch_size * heads <= _num_sms(device)
@@ -68,7 +70,7 @@ def attention_inputs(batch: ForwardBatch, attn: "CachedAttention", dtype: torch.
     B, T = batch.positions.shape
     device = batch.positions.device
     if gqa is None:
-        gqa = use_gqa(device, dtype, B, T, attn.heads)
+        gqa = use_gqa(device, dtype, B, T, attn.heads, attn.head_dim)
     key_pos = torch.arange(batch.kv_len, device=device)
     hidden_keys = key_pos.view(1, 1, -1) > batch.positions.unsqueeze(-1)          # [B, T, S]
     bias = torch.zeros(hidden_keys.shape, dtype=dtype, device=device).masked_fill_(hidden_keys, float("-inf"))
