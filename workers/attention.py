@@ -58,7 +58,7 @@ def use_gqa(device: torch.device, dtype: torch.dtype, batch_size: int, tokens: i
     """Whether cuDNN's GQA attention runs this shape, and faster than folding (sdpa_probe.py).
     Anything cuDNN cannot run would fall back to the math kernel, many times slower: fold instead.
     EAGLESERVE_GQA=0 always folds (for A/B runs)."""
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or head_dim > 128 or \
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or head_dim > 128 or head_dim % 8 or \
             not torch.backends.cuda.cudnn_sdp_enabled() or os.environ.get("EAGLESERVE_GQA") == "0":
         return False
     return tokens == 1 or tokens >= 64 or batch_size * heads <= _num_sms(device)
