@@ -58,6 +58,7 @@ def test_gqa_attention_equals_folded_under_cudnn():
     torch.manual_seed(0)
     dev, dt, H, KV, D = torch.device("cuda"), torch.bfloat16, 9, 3, 64
     attn = CachedAttention(576, 576, H, KV, D, Rotary(D, 1024, 10000.0)).to(dev, dt)
+    was_enabled = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(True)
     try:
         for B, T in ((8, 4), (4, 1), (2, 64)):
@@ -72,7 +73,7 @@ def test_gqa_attention_equals_folded_under_cudnn():
             folded = attn(x, batch, attention_inputs(batch, attn, dt, gqa=False))
             torch.testing.assert_close(gqa, folded, rtol=2e-2, atol=2e-2)
     finally:
-        torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(was_enabled)
 
 
 if __name__ == "__main__":

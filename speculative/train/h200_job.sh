@@ -19,7 +19,7 @@ mkdir -p $DATA "$OUT/drafter"
 cp -n .device/distilled/part-*.safetensors $DATA/ 2>/dev/null
 TRAIN="python3 -m deployments.cli -v train-drafter --config $CONFIG --data $DATA"
 if [[ " $PARTS " == *" distill "* ]]; then
-    before=$(ls $DATA | wc -l)
+    before=$(ls $DATA/part-*.safetensors 2>/dev/null | wc -l)
     $TRAIN --distill-only --distill-time-limit ${DISTILL_S:-420} 2>&1 | grep -v "^\s*$" | tail -c 2000
     mkdir -p "$OUT/data"
     ls $DATA/part-*.safetensors | tail -n +$((before + 1)) | xargs -r cp -t "$OUT/data/"
