@@ -13,9 +13,11 @@ from speculative.config import EngineConfig, SamplingParams
 from speculative.drafter import drafter_config_for, random_drafter_state, save_drafter
 from speculative.engine import LLMEngine, encode_prompt
 from speculative.train.config import DistillConfig, TrainConfig
-from speculative.train.data import (TokenStore, data_parts, length_sorted_chunks, load_data, prompt_order, save_parts,
+from speculative.train.data import (PAD_MULTIPLE, TokenStore, batches, collate, data_parts, length_sorted_chunks,
+                                    load_data, prompt_order, save_parts,
                                     self_distill)
 from speculative.train.pipeline import train_drafter
+from speculative.train.trainer import init_drafter, load_target, train_step
 from speculative.train.ttt import ttt_loss, ttt_mask
 from workers.llama import LlamaConfig
 from tiny_models import tiny_llama
@@ -137,6 +139,44 @@ def test_token_store_parts_roundtrip(tmp_path, largest):
     back = load_data(tmp_path)
     assert back.tokens.dtype == np.int32 and [back.seq(i).tolist() for i in range(len(back))] == seqs
     assert back.prompt_lens.tolist() == [1, 1, 2, 1]
+
+
+def test_batches_pad_to_few_lengths():
+    """Every sequence lands in exactly one batch per epoch, each batch keeps to the token budget
+    with its rows padded as collate pads them, and the padded lengths come from a short list."""
+    rng = np.random.default_rng(0)
+    lens = rng.integers(1, 700, size=2000)
+    store = TokenStore.from_lists([[1] * int(n) for n in lens], [1] * len(lens))
+    out = batches(store, batch_tokens=4096, max_seq_len=600, seed=0, epoch=0)
+    assert sorted(i for b in out for i in b) == list(range(len(lens)))
+    shapes = set()
+    for b in out:
+        ids, lengths, _ = collate(store, b, max_seq_len=600)
+        assert ids.shape[1] % PAD_MULTIPLE == 0 and ids.shape[1] >= lengths.max()
+        assert ids.numel() <= 4096 or len(b) == 1
+        shapes.add(ids.shape[1])
+    assert len(shapes) <= -(-600 // PAD_MULTIPLE)
+
+
+def test_train_step_ignores_padding(tmp_path):
+    """The loss and accuracies of a batch are the same padded to its longest row or further."""
+    target = load_target(str(tiny_target(tmp_path / "target")), torch.device("cpu"), torch.float32)
+    seqs = [[int(t) for t in torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(n))] for n in (37, 21, 50)]
+    store = TokenStore.from_lists(seqs, [5, 3, 9])
+    # the whole vocabulary is draftable, so that the rows past each sequence's end would count if
+    # the loss read them (with a smaller draft vocabulary the pad rows' argmax may fall outside it)
+    vocab = target.cfg.vocab_size
+    cfg = TrainConfig(model="unused", output="unused", data="unused", draft_vocab_size=vocab, ttt_steps=3, device="cpu")
+    drafter = init_drafter(cfg, target, store, tmp_path / "drafter")
+    draft_to_target = torch.arange(vocab) + drafter.d2t
+    with torch.no_grad():
+        exact = train_step(cfg, target, drafter, draft_to_target, collate(store, [0, 1, 2], 64, multiple=1),
+                           torch.device("cpu"), torch.float32)
+        padded_batch = collate(store, [0, 1, 2], 64)
+        padded = train_step(cfg, target, drafter, draft_to_target, padded_batch, torch.device("cpu"), torch.float32)
+    assert padded_batch[0].shape[1] == 64
+    torch.testing.assert_close(padded[0], exact[0])
+    torch.testing.assert_close(padded[1], exact[1])
 
 
 def tiny_target(path):
