@@ -105,8 +105,10 @@ def cmd_train_drafter(args) -> None:
     fields = json.loads(args.config.read_text()) if args.config else {}
     fields.update({k: v for k, v in {"model": args.model, "output": args.output, "data": args.data,
                                      "max_steps": args.max_steps, "draft_vocab_size": args.draft_vocab_size,
-                                     "ttt_steps": args.ttt_steps, "time_limit_s": args.time_limit,
+                                     "ttt_steps": args.ttt_steps, "time_limit_s": args.time_limit, "init_from": args.init_from,
                                      "device": args.device}.items() if v is not None})
+    if "data" not in fields and "output" in fields:
+        fields["data"] = fields["output"] + ".data"
     distill = {k: v for k, v in {"prompt_files": args.prompts, "num_prompts": args.num_prompts,
                                  "time_limit_s": args.distill_time_limit}.items() if v is not None}
     if distill:
@@ -228,7 +230,7 @@ def main(argv=None) -> None:
     train.add_argument("--config", type=Path, help="JSON with TrainConfig fields (flags override it)")
     train.add_argument("--model", help="target: model name, HF directory or .gguf file")
     train.add_argument("-o", "--output", help="directory of the exported drafter")
-    train.add_argument("--data", help="directory of self-distilled data (generated when empty)")
+    train.add_argument("--data", help="directory of self-distilled data (generated when empty; default: OUTPUT.data)")
     train.add_argument("--distill-only", action="store_true",
                        help="distil one more part of data, continuing the prompt order, and stop")
     train.add_argument("--prompts", nargs="+", help="JSONL(.gz) prompt files for self-distillation")
@@ -236,6 +238,7 @@ def main(argv=None) -> None:
     train.add_argument("--max-steps", type=int)
     train.add_argument("--draft-vocab-size", type=int)
     train.add_argument("--ttt-steps", type=int, help="unrolled draft steps")
+    train.add_argument("--init-from", help="drafter directory to start from (its weights and draft vocabulary)")
     train.add_argument("--time-limit", type=float, help="seconds of training; then checkpoint and stop")
     train.add_argument("--distill-time-limit", type=float, help="seconds of self-distillation (admitting prompts)")
     train.add_argument("--device", choices=["auto", "cpu", "cuda"])

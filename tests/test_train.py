@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from speculative.config import EngineConfig, SamplingParams
 from speculative.drafter import drafter_config_for, random_drafter_state, save_drafter
@@ -116,17 +117,18 @@ def test_distillation_continues_in_parts(tmp_path):
 
 
 def test_cli_distill_only(tmp_path):
-    """`eagleserve train-drafter --distill-only` writes a data part and trains nothing."""
+    """`eagleserve train-drafter --distill-only` writes a data part (by default beside the output,
+    in OUTPUT.data) and trains nothing."""
     model = tiny_target(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
     proc = subprocess.run([sys.executable, "-m", "deployments.cli", "train-drafter", "--model", str(model),
-                           "-o", str(tmp_path / "drafter"), "--data", str(tmp_path / "data"), "--prompts", str(prompts),
+                           "-o", str(tmp_path / "drafter"), "--prompts", str(prompts),
                            "--num-prompts", "5", "--distill-time-limit", "60", "--device", "cpu", "--distill-only"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stderr.strip().splitlines()[-1])["num_sequences"] == 5
-    assert len(load_data(tmp_path / "data")) == 5 and not (tmp_path / "drafter").exists()
+    assert len(load_data(tmp_path / "drafter.data")) == 5 and not (tmp_path / "drafter").exists()
 
 
 @pytest.mark.parametrize("largest", [60000, 70000])
@@ -207,6 +209,27 @@ def test_training_resumes_and_loss_falls(trained):
     assert history[-1] < 0.8 * history[0], history  # soft CE: the target's entropy stays
     assert summary["metrics"]["accuracy"][0] > 0.8
     assert (drafter / "config.json").is_file() and (drafter / "training_config.json").is_file()
+
+
+def drafter_tensors(path) -> dict[str, torch.Tensor]:
+    return {n: t for f in sorted(path.glob("*.safetensors")) for n, t in load_file(str(f)).items()}
+
+
+def test_training_starts_from_a_drafter(trained, tmp_path):
+    """init_from copies a drafter's weights and vocabulary: the first step's loss is the trained
+    drafter's, far below a fresh one's; a config whose vocabulary does not match is refused."""
+    model, drafter, _, _ = trained
+    base = TrainConfig(model=str(model), output=str(tmp_path / "fresh"), data=str(drafter.parent / "data"),
+                       draft_vocab_size=256, ttt_steps=3, max_steps=1, batch_tokens=4096, device="cpu")
+    fresh = train_drafter(base)
+    warm = train_drafter(base.model_copy(update={"output": str(tmp_path / "warm"), "init_from": str(drafter)}))
+    assert warm["metrics"]["loss"] < 0.9 * fresh["metrics"]["loss"], (warm, fresh)
+    assert warm["metrics"]["accuracy"][0] > fresh["metrics"]["accuracy"][0] + 0.2
+    source, copy = drafter_tensors(drafter), drafter_tensors(tmp_path / "warm")
+    assert torch.equal(copy["d2t"], source["d2t"]) and torch.equal(copy["t2d"], source["t2d"])
+    with pytest.raises(ValueError, match="draft vocabulary 256"):
+        train_drafter(base.model_copy(update={"output": str(tmp_path / "bad"), "draft_vocab_size": 128,
+                                              "init_from": str(drafter)}))
 
 
 def acceptance(model, drafter) -> float:

@@ -183,12 +183,17 @@ def length_sorted_chunks(encoded, chunk: int, max_len: int):
         yield from sorted(part, key=len)
 
 
-def draft_vocab(store: TokenStore, vocab_size: int, draft_vocab_size: int,
-                always: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """The most frequent response tokens -> (d2t [Vd] int64 offsets, t2d [V] bool, coverage).
-    Draft ids keep the target order, so target id = draft id + d2t[draft id]."""
+def response_token_counts(store: TokenStore, vocab_size: int) -> np.ndarray:
     responses = [store.seq(i)[store.prompt_lens[i]:] for i in range(len(store))]
-    counts = np.bincount(np.concatenate(responses + [np.zeros(0, np.int32)]), minlength=vocab_size)
+    return np.bincount(np.concatenate(responses + [np.zeros(0, np.int32)]), minlength=vocab_size)
+
+
+def draft_vocab(counts: np.ndarray, draft_vocab_size: int,
+                always: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The most frequent response tokens (`counts` [V], response_token_counts) -> (d2t [Vd] int64
+    offsets, t2d [V] bool, coverage). Draft ids keep the target order, so target id = draft id +
+    d2t[draft id]."""
+    vocab_size = len(counts)
     priority = counts.copy()
     priority[list(always)] = counts.max() + 1
     chosen = np.sort(np.argsort(-priority, kind="stable")[:draft_vocab_size])
@@ -199,9 +204,10 @@ def draft_vocab(store: TokenStore, vocab_size: int, draft_vocab_size: int,
     return d2t, t2d, coverage
 
 
-# Batches are padded to a multiple of this many tokens: the GPU picks kernels per new shape (~0.5 s
-# each on the H200), and a 6M-token store padded to its longest row made every batch of the first
-# epoch a new shape (300 steps at 1.5 steps/s against 8 afterwards).
+# Batches are padded to a multiple of this many tokens, so that few shapes occur. Padded to its
+# longest row only, every batch of a 6M-token store's first epoch had a new length, and that epoch
+# ran at 1.5 steps/s on the H200 against 8 afterwards (per-shape setup on the GPU, ~0.5 s a shape:
+# inferred from those rates, not profiled).
 PAD_MULTIPLE = 64
 
 

@@ -3,7 +3,8 @@
 #   distill     self-distil one more stretch of the prompt order (DISTILL_S seconds, default 420) and
 #               return the new data parts in $OUT/data
 #   train       train and export (distilling first when no data is there; TRAIN_S overrides the
-#               config's training time limit)
+#               config's training time limit; INIT_FROM=DIR starts from that drafter, e.g. the
+#               committed one, instead of a fresh one)
 #   acceptance  measure the drafter's acceptance
 # Data parts travel between jobs in .device/distilled: copy them there from $OUT/data and carry
 # that folder. Run from the repo root after the .device bundles are staged (see README in
@@ -26,7 +27,7 @@ if [[ " $PARTS " == *" distill "* ]]; then
 fi
 if [[ " $PARTS " == *" train "* ]]; then
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-    $TRAIN ${TRAIN_S:+--time-limit $TRAIN_S} 2>&1 | tee "$OUT/train.log" | grep -v "^\s*$" | tail -c 4000
+    $TRAIN ${TRAIN_S:+--time-limit $TRAIN_S} ${INIT_FROM:+--init-from $INIT_FROM} 2>&1 | tee "$OUT/train.log" | grep -v "^\s*$" | tail -c 4000
     # at most 8 files of at most 16 MiB come back: the weight shards as they are, the JSON in one tar
     cp $DRAFTER.ckpt/vocab_coverage.json $DRAFTER/ 2>/dev/null
     cp $DRAFTER/*.safetensors "$OUT/drafter/"

@@ -14,7 +14,7 @@ from tqdm import tqdm
 from speculative.drafter import (Eagle3Drafter, drafter_config_for, drafter_state_dict, load_drafter,
                                  random_drafter_state, save_drafter)
 from speculative.train.config import TrainConfig
-from speculative.train.data import TokenStore, batches, collate, draft_vocab, load_data
+from speculative.train.data import TokenStore, batches, collate, draft_vocab, load_data, response_token_counts
 from speculative.train.target import target_draft_probs, target_features
 from speculative.train.ttt import ttt_forward, ttt_loss
 from workers.llama import Llama, LlamaConfig
@@ -32,17 +32,29 @@ def load_target(model: str, device: torch.device, dtype: torch.dtype) -> Llama:
 
 
 def init_drafter(cfg: TrainConfig, target: Llama, store: TokenStore, path: Path) -> Eagle3Drafter:
-    """A fresh drafter written to `path` (the checkpoint format) and loaded back. The LM head and
-    final norm start from the target's rows for the draft vocabulary: a warm start for the head."""
-    eos = target.cfg.eos_token_id
-    always = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
-    d2t, t2d, coverage = draft_vocab(store, target.cfg.vocab_size, cfg.draft_vocab_size, always)
+    """The drafter to train, written to `path` (the checkpoint format) and loaded back: a copy of
+    `cfg.init_from`, or a fresh one whose LM head and final norm start from the target's rows for
+    the draft vocabulary (a warm start for the head)."""
+    counts = response_token_counts(store, target.cfg.vocab_size)
+    if cfg.init_from:
+        source = load_drafter(Path(cfg.init_from), target_embeddings=target.embed_tokens)
+        if (source.cfg.draft_vocab_size, source.cfg.target_hidden_size) != (cfg.draft_vocab_size, target.cfg.hidden_size):
+            raise ValueError(f"init_from {cfg.init_from}: draft vocabulary {source.cfg.draft_vocab_size} and target "
+                             f"hidden size {source.cfg.target_hidden_size}, but the config says "
+                             f"{cfg.draft_vocab_size} and the target has {target.cfg.hidden_size}")
+        dcfg, state = source.cfg, drafter_state_dict(source)
+        state = {n: t.float() if t.is_floating_point() else t for n, t in state.items()}
+        coverage = float(counts[state["t2d"].numpy()].sum() / max(counts.sum(), 1))
+    else:
+        eos = target.cfg.eos_token_id
+        always = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
+        d2t, t2d, coverage = draft_vocab(counts, cfg.draft_vocab_size, always)
+        dcfg = drafter_config_for(target.cfg, cfg.draft_vocab_size)
+        state = random_drafter_state(dcfg, len(target.aux_layer_ids), cfg.seed)
+        draft_to_target = torch.arange(cfg.draft_vocab_size) + d2t
+        state.update(d2t=d2t, t2d=t2d, **{"lm_head.weight": target.lm_head.weight[draft_to_target.to(
+            target.lm_head.weight.device)].float().cpu(), "norm.weight": target.norm.weight.float().cpu()})
     log.info("draft vocabulary of %d tokens covers %.1f%% of response tokens", cfg.draft_vocab_size, 100 * coverage)
-    dcfg = drafter_config_for(target.cfg, cfg.draft_vocab_size)
-    state = random_drafter_state(dcfg, len(target.aux_layer_ids), cfg.seed)
-    draft_to_target = torch.arange(cfg.draft_vocab_size) + d2t
-    state.update(d2t=d2t, t2d=t2d, **{"lm_head.weight": target.lm_head.weight[draft_to_target.to(
-        target.lm_head.weight.device)].float().cpu(), "norm.weight": target.norm.weight.float().cpu()})
     save_drafter(path, dcfg, state)
     (path / "vocab_coverage.json").write_text(json.dumps({"coverage": coverage}))
     return load_drafter(path, target_embeddings=target.embed_tokens)
