@@ -84,7 +84,8 @@ def run_to_completion(cfg, prompts: list[list[int]], params) -> list[dict]:
         return [{"token_ids": r.output_ids, "finish_reason": r.finish_reason,
                  "acceptance_length": r.acceptance_length} for r in requests]
     import ray
-    from speculative.coordinator import CoordinatorActor, check_tp_size
+    from speculative.coordinator import CoordinatorActor
+    from speculative.executor import check_tp_size
     check_tp_size(cfg)
     address = os.environ.get("RAY_ADDRESS")
     num_cpus = None if address or cfg.device == "cuda" else _local_cpus(cfg.tp)
@@ -136,7 +137,7 @@ def cmd_serve(args) -> None:
         overrides["engine.overlap"] = False
     cfg = load_config(args.config, host=args.host, port=args.port, ray_address=args.address,
                       num_replicas=args.replicas, **overrides)
-    from speculative.coordinator import check_tp_size
+    from speculative.executor import check_tp_size
     check_tp_size(cfg.engine)
     local = cfg.ray_address is None
     ray.init(address=cfg.ray_address, num_cpus=_local_cpus(cfg.engine.tp * cfg.num_replicas) if local else None,

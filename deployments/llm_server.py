@@ -25,7 +25,7 @@ class LLMServer:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
         """Stream RequestOutput deltas; cancellation (client gone) aborts the request."""
-        from speculative.coordinator import EngineDeadError
+        from speculative.executor import EngineDeadError
         c = self.coordinator
         scheduler = c.engine.scheduler
         free_slots = scheduler.num_slots - scheduler.num_running
@@ -75,7 +75,7 @@ class LLMServer:
 def rank_resources(cfg: ServeConfig) -> dict[str, float]:
     """One rank's placement bundle: what its TPWorker takes (a GPU, or a CPU on the CPU backend), or
     the configured `rank_resources`, which must hold that."""
-    from speculative.coordinator import wants_gpu
+    from speculative.executor import wants_gpu
     needed = "GPU" if wants_gpu(cfg.engine) else "CPU"
     bundle = dict(cfg.rank_resources or {needed: 1})
     if bundle.get(needed, 0) < 1:

@@ -6,7 +6,8 @@ import ray
 import torch
 
 from speculative.config import EngineConfig, SamplingParams
-from speculative.coordinator import CoordinatorActor, EngineDeadError
+from speculative.coordinator import CoordinatorActor
+from speculative.executor import EngineDeadError
 from speculative.engine import LLMEngine, encode_prompt
 from tiny_models import tiny_llama as _tiny_llama
 from workers.loader import load_tokenizer, resolve_model
