@@ -106,8 +106,8 @@ def cmd_train_drafter(args) -> None:
     fields = json.loads(args.config.read_text()) if args.config else {}
     fields.update({k: v for k, v in {"model": args.model, "output": args.output, "data": args.data,
                                      "max_steps": args.max_steps, "draft_vocab_size": args.draft_vocab_size,
-                                     "ttt_steps": args.ttt_steps, "time_limit_s": args.time_limit, "init_from": args.init_from,
-                                     "device": args.device}.items() if v is not None})
+                                     "ttt_steps": args.ttt_steps, "time_limit_s": args.time_limit,
+                                     "init_from": args.init_from, "device": args.device}.items() if v is not None})
     if "data" not in fields and "output" in fields:
         fields["data"] = fields["output"] + ".data"
     distill = {k: v for k, v in {"prompt_files": args.prompts, "num_prompts": args.num_prompts,

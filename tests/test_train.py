@@ -15,8 +15,7 @@ from speculative.drafter import drafter_config_for, random_drafter_state, save_d
 from speculative.engine import LLMEngine, encode_prompt
 from speculative.train.config import DistillConfig, TrainConfig
 from speculative.train.data import (PAD_MULTIPLE, TokenStore, batches, collate, data_parts, length_sorted_chunks,
-                                    load_data, prompt_order, save_parts,
-                                    self_distill)
+                                    load_data, prompt_order, save_parts, self_distill)
 from speculative.train.pipeline import train_drafter
 from speculative.train.trainer import init_drafter, load_target, train_step
 from speculative.train.ttt import ttt_loss, ttt_mask
@@ -163,7 +162,7 @@ def test_batches_pad_to_few_lengths():
 def test_train_step_ignores_padding(tmp_path):
     """The loss and accuracies of a batch are the same padded to its longest row or further."""
     target = load_target(str(tiny_target(tmp_path / "target")), torch.device("cpu"), torch.float32)
-    seqs = [[int(t) for t in torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(n))] for n in (37, 21, 50)]
+    seqs = [torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (37, 21, 50)]
     store = TokenStore.from_lists(seqs, [5, 3, 9])
     # the whole vocabulary is draftable, so that the rows past each sequence's end would count if
     # the loss read them (with a smaller draft vocabulary the pad rows' argmax may fall outside it)

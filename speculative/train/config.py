@@ -32,7 +32,7 @@ class TrainConfig(BaseModel):
     output: str                                  # exported drafter directory
     data: str                                    # directory of self-distilled parts (part-*.safetensors)
     checkpoint: str | None = None                # periodic checkpoints; default: output + ".ckpt"
-    # start from this drafter (its weights and draft vocabulary) instead of a fresh one, to train on
+    # train further from this drafter (its weights and draft vocabulary) instead of a fresh one
     init_from: str | None = None
     distill: DistillConfig = DistillConfig()
     draft_vocab_size: int = Field(4096, ge=2)

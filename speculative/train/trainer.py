@@ -38,7 +38,8 @@ def init_drafter(cfg: TrainConfig, target: Llama, store: TokenStore, path: Path)
     counts = response_token_counts(store, target.cfg.vocab_size)
     if cfg.init_from:
         source = load_drafter(Path(cfg.init_from), target_embeddings=target.embed_tokens)
-        if (source.cfg.draft_vocab_size, source.cfg.target_hidden_size) != (cfg.draft_vocab_size, target.cfg.hidden_size):
+        if (source.cfg.draft_vocab_size, source.cfg.target_hidden_size) != \
+                (cfg.draft_vocab_size, target.cfg.hidden_size):
             raise ValueError(f"init_from {cfg.init_from}: draft vocabulary {source.cfg.draft_vocab_size} and target "
                              f"hidden size {source.cfg.target_hidden_size}, but the config says "
                              f"{cfg.draft_vocab_size} and the target has {target.cfg.hidden_size}")
