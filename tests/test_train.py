@@ -115,6 +115,34 @@ def test_distillation_continues_in_parts(tmp_path):
         [tuple(s.seq(i).tolist()) for s in parts for i in range(len(s))]
 
 
+def test_distillation_passes(tmp_path):
+    """With two passes the order runs twice, continuing across parts: the first pass greedy, the
+    second sampled, each prompt once per pass."""
+    model = tiny_target(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
+    n = len(QUESTIONS)
+    distill = DistillConfig(prompt_files=[str(prompts)], num_prompts=n + 3, num_passes=2, max_tokens=8,
+                            sampled_fraction=0.0, temperature=1.5, max_batch_size=4, max_prompt_len=128)
+    cfg = TrainConfig(model=str(model), output=str(tmp_path / "drafter"), data=str(tmp_path / "data"), device="cpu",
+                      distill=distill)
+    assert train_drafter(cfg, distill_only=True)["num_sequences"] == n + 3       # into the second pass
+    everything = cfg.model_copy(update={"distill": distill.model_copy(update={"num_prompts": 100})})
+    assert train_drafter(everything, distill_only=True)["num_sequences"] == 2 * n
+    data = load_data(tmp_path / "data")
+    seqs = [data.seq(i).tolist() for i in range(len(data))]
+    prompts_of = [s[:p] for s, p in zip(seqs, data.prompt_lens.tolist())]
+    assert prompts_of[n:] == prompts_of[:n]                                       # the same order again
+    engine = LLMEngine(EngineConfig(model=str(model), drafter="none", device="cpu", max_batch_size=4))
+    greedy = [r.prompt_ids + r.output_ids for r in engine.generate(prompts_of[:n], SamplingParams(max_tokens=8))]
+    eos = engine.tokenizer.eos_token_id
+    assert [s[:len(g)] for s, g in zip(seqs[:n], greedy)] == greedy and all(s[len(g):] in ([], [eos])
+                                                                           for s, g in zip(seqs[:n], greedy))
+    assert sum(s != f for s, f in zip(seqs[n:], seqs[:n])) >= n // 2              # sampled at 1.5: mostly other text
+    with pytest.raises(ValueError, match="num_passes"):
+        DistillConfig(num_passes=2, keep_undistilled_prompts=True)
+
+
 def test_cli_distill_only(tmp_path):
     """`eagleserve train-drafter --distill-only` writes a data part (by default beside the output,
     in OUTPUT.data) and trains nothing."""

@@ -1,7 +1,7 @@
 """Drafter training configuration (pydantic, extra fields forbidden), saved beside the output."""
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class DistillConfig(BaseModel):
@@ -9,7 +9,10 @@ class DistillConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     prompt_files: list[str] = Field(default_factory=list)  # JSONL(.gz) rows with "prompt" or "question"
-    num_prompts: int = Field(8192, ge=1)
+    num_prompts: int = Field(8192, ge=1)         # over all passes
+    # passes over the prompt order; every response after the first pass is sampled (at
+    # `temperature`): more data from the same prompts, where a greedy pass would repeat the first
+    num_passes: int = Field(1, ge=1)
     max_prompt_len: int = Field(1024, ge=8)     # longer prompts are skipped
     max_tokens: int = Field(320, ge=1)          # response tokens per prompt
     sampled_fraction: float = Field(0.5, ge=0.0, le=1.0)  # the rest is greedy
@@ -23,6 +26,12 @@ class DistillConfig(BaseModel):
     # (they only teach anything with TrainConfig.prompt_loss_weight > 0)
     keep_undistilled_prompts: bool = False
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _one_pass_to_keep_prompts(self):
+        if self.keep_undistilled_prompts and self.num_passes > 1:
+            raise ValueError("keep_undistilled_prompts would keep each prompt once per pass: use num_passes 1")
+        return self
 
 
 class TrainConfig(BaseModel):

@@ -114,21 +114,27 @@ def read_prompts(files: list[str]) -> list[str]:
 def self_distill(engine, cfg: DistillConfig, skip: int = 0) -> TokenStore:
     """Regenerate responses with the target through our engine (drafter "none"); a response that
     ended on EOS keeps that EOS, so the drafter learns where answers stop. Starts after the first
-    `skip` prompts of the order (those earlier runs covered); `num_prompts` counts from the start.
-    Every prompt taken, distilled or kept undistilled, becomes one sequence, in order."""
+    `skip` prompts of the order (those earlier runs covered; passes after the first go through the
+    order again); `num_prompts` counts from the start. Every prompt taken, distilled or kept
+    undistilled, becomes one sequence, in order."""
     from speculative.config import SamplingParams
     from speculative.engine import encode_prompt
     texts = prompt_order(read_prompts(cfg.prompt_files), cfg)
-    encoded = length_sorted_chunks((encode_prompt(engine.tokenizer, t) for t in texts), 4 * engine.executor.num_slots,
-                                   cfg.max_prompt_len)
-    encoded = itertools.islice(encoded, skip, None)
+
+    def passes():  # (pass, prompt ids): the order once per pass
+        for p in range(cfg.num_passes):
+            encoded = (encode_prompt(engine.tokenizer, t) for t in texts)
+            yield from ((p, ids) for ids in length_sorted_chunks(encoded, 4 * engine.executor.num_slots,
+                                                                 cfg.max_prompt_len))
+
+    encoded = itertools.islice(passes(), skip, None)
     rng = random.Random(cfg.seed + 1)
     greedy = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens)
     eos = engine.tokenizer.eos_token_id
     engine.scheduler.tokenizer = None  # no detokenizing: nothing reads the text, and it costs host time
     requests, start = [], time.perf_counter()
     num_prompts = cfg.num_prompts - skip
-    bar = tqdm(total=max(min(num_prompts, len(texts) - skip), 0), desc="self-distillation", unit="seq")
+    bar = tqdm(total=max(min(num_prompts, len(texts) * cfg.num_passes - skip), 0), desc="self-distillation", unit="seq")
     is_admitting = True
     num_slots = engine.executor.num_slots
 
@@ -143,11 +149,12 @@ def self_distill(engine, cfg: DistillConfig, skip: int = 0) -> TokenStore:
         # request would make the generation several times slower.
         if is_admitting and num_busy() <= num_slots * 3 // 4:
             for _ in range(num_slots - num_busy()):
-                ids = next(encoded, None) if len(requests) < num_prompts else None
-                if ids is None:
+                item = next(encoded, None) if len(requests) < num_prompts else None
+                if item is None:
                     is_admitting = False
                     break
-                sampled = rng.random() < cfg.sampled_fraction
+                pass_index, ids = item
+                sampled = rng.random() < cfg.sampled_fraction or pass_index > 0
                 params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
                                         seed=rng.randrange(2**31)) if sampled else greedy
                 requests.append(engine.add_request(ids, params))
@@ -159,7 +166,7 @@ def self_distill(engine, cfg: DistillConfig, skip: int = 0) -> TokenStore:
         seqs.append(r.prompt_ids + response)
         prompt_lens.append(len(r.prompt_ids))
     if cfg.keep_undistilled_prompts:
-        rest = list(tqdm(encoded, desc="undistilled prompts", unit="prompt"))
+        rest = [ids for _, ids in tqdm(encoded, desc="undistilled prompts", unit="prompt")]
         seqs += rest
         prompt_lens += [len(ids) for ids in rest]
     return TokenStore.from_lists(seqs, prompt_lens)
