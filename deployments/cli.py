@@ -17,7 +17,7 @@ def _engine_args(p: argparse.ArgumentParser, with_defaults: bool = True) -> None
     d = (lambda v: v) if with_defaults else (lambda v: None)  # noqa: E731
     p.add_argument("--model", default=d("smollm2-135m"), help="model name, HF directory or .gguf file")
     p.add_argument("--drafter", default=d("default"), help="'default', 'none' or an EAGLE-3 drafter directory")
-    p.add_argument("--num-draft-tokens", "-k", type=int, default=d(3), help="draft tokens per step (K)")
+    p.add_argument("--num-draft-tokens", "-k", type=int, default=d(5), help="draft tokens per step (K)")
     p.add_argument("--max-batch-size", type=int, default=d(8))
     p.add_argument("--max-model-len", type=int, default=d(2048))
     p.add_argument("--device", default=d("auto"), choices=["auto", "cpu", "cuda"])
@@ -261,7 +261,7 @@ def main(argv=None) -> None:
     b.add_argument("--num-prompts", type=int, default=32, help="prompts per run (at least 2 x batch are used)")
     b.add_argument("--batch", default="1,8", help="comma-separated concurrency levels")
     b.add_argument("--modes", default="plain,eagle", help="plain and/or eagle")
-    b.add_argument("-k", default="3", help="comma-separated draft lengths")
+    b.add_argument("-k", default="5", help="comma-separated draft lengths")
     b.add_argument("--cuda-graphs", choices=["on", "off", "both"], default="on")
     b.add_argument("--overlap", choices=["on", "off", "both"], default="on")
     b.add_argument("--graph-first-draft", action="store_true",

@@ -40,7 +40,9 @@ class EngineConfig(BaseModel):
 
     model: str = "smollm2-135m"
     drafter: str = "default"                          # "default", "none" or a directory
-    num_draft_tokens: int = Field(3, ge=1, le=16)     # K; ignored when drafter is "none"
+    # K; ignored when drafter is "none". 5: with the default drafter, K=5 was faster than K=3 on the
+    # H200 at batch 1, 8 and 32 (BENCHMARKS.md, run E); on CPU the two were within noise
+    num_draft_tokens: int = Field(5, ge=1, le=16)
     max_batch_size: int = Field(8, ge=1, le=1024)
     max_model_len: int = Field(2048, ge=16)           # prompt + output tokens per request
     max_num_batched_tokens: int = Field(4096, ge=16)  # prefill tokens per step
