@@ -108,8 +108,6 @@ def cmd_train_drafter(args) -> None:
                                      "max_steps": args.max_steps, "draft_vocab_size": args.draft_vocab_size,
                                      "ttt_steps": args.ttt_steps, "time_limit_s": args.time_limit,
                                      "init_from": args.init_from, "device": args.device}.items() if v is not None})
-    if "data" not in fields and "output" in fields:
-        fields["data"] = fields["output"] + ".data"
     distill = {k: v for k, v in {"prompt_files": args.prompts, "num_prompts": args.num_prompts,
                                  "time_limit_s": args.distill_time_limit}.items() if v is not None}
     if distill:

@@ -2,13 +2,14 @@
 (self-distillation through the engine, training, resume, export) and the exported drafter's
 acceptance against a random one."""
 import json
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from speculative.config import EngineConfig, SamplingParams
 from speculative.drafter import drafter_config_for, random_drafter_state, save_drafter
@@ -145,12 +146,12 @@ def test_distillation_passes(tmp_path):
 
 def test_cli_distill_only(tmp_path):
     """`eagleserve train-drafter --distill-only` writes a data part (by default beside the output,
-    in OUTPUT.data) and trains nothing."""
+    in OUTPUT.data, a trailing slash or not) and trains nothing."""
     model = tiny_target(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
     proc = subprocess.run([sys.executable, "-m", "deployments.cli", "train-drafter", "--model", str(model),
-                           "-o", str(tmp_path / "drafter"), "--prompts", str(prompts),
+                           "-o", f"{tmp_path / 'drafter'}/", "--prompts", str(prompts),
                            "--num-prompts", "5", "--distill-time-limit", "60", "--device", "cpu", "--distill-only"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -252,9 +253,17 @@ def test_training_starts_from_a_drafter(trained, tmp_path):
     warm = train_drafter(base.model_copy(update={"output": str(tmp_path / "warm"), "init_from": str(drafter)}))
     assert warm["metrics"]["loss"] < 0.9 * fresh["metrics"]["loss"], (warm, fresh)
     assert warm["metrics"]["accuracy"][0] > fresh["metrics"]["accuracy"][0] + 0.2
-    source, copy = drafter_tensors(drafter), drafter_tensors(tmp_path / "warm")
-    assert torch.equal(copy["d2t"], source["d2t"]) and torch.equal(copy["t2d"], source["t2d"])
-    with pytest.raises(ValueError, match="draft vocabulary 256"):
+    # the vocabulary comes from the source too, even one that the data would not pick
+    other = drafter_tensors(drafter)
+    other["t2d"] = torch.arange(len(other["t2d"])) < 256
+    other["d2t"] = torch.zeros(256, dtype=torch.long)
+    shutil.copytree(drafter, tmp_path / "other")
+    save_file(other, str(tmp_path / "other" / "model.safetensors"))
+    train_drafter(base.model_copy(update={"output": str(tmp_path / "warm2"), "init_from": str(tmp_path / "other")}))
+    copy, fresh_vocab = drafter_tensors(tmp_path / "warm2"), drafter_tensors(tmp_path / "fresh")
+    assert torch.equal(copy["t2d"], other["t2d"]) and torch.equal(copy["d2t"], other["d2t"])
+    assert not torch.equal(fresh_vocab["t2d"], other["t2d"])
+    with pytest.raises(ValueError, match="draft vocabulary of 256 tokens"):
         train_drafter(base.model_copy(update={"output": str(tmp_path / "bad"), "draft_vocab_size": 128,
                                               "init_from": str(drafter)}))
 

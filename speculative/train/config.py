@@ -1,4 +1,5 @@
 """Drafter training configuration (pydantic, extra fields forbidden), saved beside the output."""
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -39,8 +40,8 @@ class TrainConfig(BaseModel):
 
     model: str = "smollm2-135m"
     output: str                                  # exported drafter directory
-    data: str                                    # directory of self-distilled parts (part-*.safetensors)
-    checkpoint: str | None = None                # periodic checkpoints; default: output + ".ckpt"
+    data: str | None = None                      # directory of self-distilled parts; default: OUTPUT.data
+    checkpoint: str | None = None                # periodic checkpoints; default: OUTPUT.ckpt
     # train further from this drafter (its weights and draft vocabulary) instead of a fresh one
     init_from: str | None = None
     distill: DistillConfig = DistillConfig()
@@ -64,3 +65,16 @@ class TrainConfig(BaseModel):
     export_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     export_shard_mb: float | None = Field(None, gt=0)  # split the exported weights into files of at most this
     seed: int = 0
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self.data) if self.data else _beside(self.output, ".data")
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint) if self.checkpoint else _beside(self.output, ".ckpt")
+
+
+def _beside(path: str, suffix: str) -> Path:
+    path = Path(path)  # a trailing slash is dropped: drafters/mine/ -> drafters/mine.data
+    return path.with_name(path.name + suffix)

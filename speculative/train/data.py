@@ -204,11 +204,15 @@ def draft_vocab(counts: np.ndarray, draft_vocab_size: int,
     priority = counts.copy()
     priority[list(always)] = counts.max() + 1
     chosen = np.sort(np.argsort(-priority, kind="stable")[:draft_vocab_size])
-    coverage = float(counts[chosen].sum() / max(counts.sum(), 1))
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[torch.from_numpy(chosen)] = True
     d2t = torch.from_numpy(chosen).long() - torch.arange(draft_vocab_size)
-    return d2t, t2d, coverage
+    return d2t, t2d, vocab_coverage(counts, t2d)
+
+
+def vocab_coverage(counts: np.ndarray, t2d: torch.Tensor) -> float:
+    """The share of response tokens (`counts`) that the draft vocabulary (`t2d`) holds."""
+    return float(counts[t2d.numpy()].sum() / max(counts.sum(), 1))
 
 
 # Batches are padded to a multiple of this many tokens, so that few shapes occur. Padded to its

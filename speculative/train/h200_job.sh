@@ -4,7 +4,8 @@
 #               return the new data parts in $OUT/data
 #   train       train and export (distilling first when no data is there; TRAIN_S overrides the
 #               config's training time limit; INIT_FROM=DIR starts from that drafter, e.g. the
-#               committed one, instead of a fresh one)
+#               committed one, instead of a fresh one; RESUME=1 continues the checkpoint that an
+#               earlier train job left on a warm machine, which is otherwise removed)
 #   acceptance  measure the drafter's acceptance
 # Data parts travel between jobs in .device/distilled: copy them there from $OUT/data and carry
 # that folder. Run from the repo root after the .device bundles are staged (see README in
@@ -27,7 +28,9 @@ if [[ " $PARTS " == *" distill "* ]]; then
 fi
 if [[ " $PARTS " == *" train "* ]]; then
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-    $TRAIN ${TRAIN_S:+--time-limit $TRAIN_S} ${INIT_FROM:+--init-from $INIT_FROM} 2>&1 | tee "$OUT/train.log" | grep -v "^\s*$" | tail -c 4000
+    [[ -n "${RESUME:-}" ]] || rm -rf $DRAFTER.ckpt  # a new run, unless RESUME=1 (a warm machine keeps the last one)
+    $TRAIN ${TRAIN_S:+--time-limit $TRAIN_S} ${INIT_FROM:+--init-from $INIT_FROM} 2>&1 | tee "$OUT/train.log" \
+        | grep -v "^\s*$" | tail -c 4000
     # at most 8 files of at most 16 MiB come back: the weight shards as they are, the JSON in one tar
     cp $DRAFTER.ckpt/vocab_coverage.json $DRAFTER/ 2>/dev/null
     cp $DRAFTER/*.safetensors "$OUT/drafter/"

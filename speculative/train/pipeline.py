@@ -21,8 +21,8 @@ def distill(cfg: TrainConfig) -> TokenStore:
     from speculative.engine import LLMEngine
     d = cfg.distill
     if not d.prompt_files:
-        raise ValueError(f"no self-distilled data in {cfg.data} and no prompt files to generate it from")
-    skip = len(load_data(Path(cfg.data))) if data_parts(Path(cfg.data)) else 0
+        raise ValueError(f"no self-distilled data in {cfg.data_dir} and no prompt files to generate it from")
+    skip = len(load_data(cfg.data_dir)) if data_parts(cfg.data_dir) else 0
     max_len = d.max_prompt_len + d.max_tokens + 1
     engine = LLMEngine(EngineConfig(
         model=cfg.model, drafter="none", device=cfg.device, max_batch_size=d.max_batch_size,
@@ -44,15 +44,15 @@ def distill(cfg: TrainConfig) -> TokenStore:
 def train_drafter(cfg: TrainConfig, distill_only: bool = False) -> dict:
     """Distil when the data directory is empty, then train; with `distill_only`, add the parts of
     one more distillation run and stop (returns what the directory then holds)."""
-    if distill_only or not data_parts(Path(cfg.data)):
+    if distill_only or not data_parts(cfg.data_dir):
         store = distill(cfg)
         if len(store):
-            log.info("wrote %s", ", ".join(str(p) for p in save_parts(Path(cfg.data), store)))
+            log.info("wrote %s", ", ".join(str(p) for p in save_parts(cfg.data_dir, store)))
         else:
-            log.warning("no prompts left to distil after the ones %s covers", cfg.data)
+            log.warning("no prompts left to distil after the ones %s covers", cfg.data_dir)
     if distill_only:
-        data = load_data(Path(cfg.data))
-        return {"num_parts": len(data_parts(Path(cfg.data))), "num_sequences": len(data),
+        data = load_data(cfg.data_dir)
+        return {"num_parts": len(data_parts(cfg.data_dir)), "num_sequences": len(data),
                 "num_response_tokens": int(data.lengths.sum() - data.prompt_lens.sum())}
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,8 @@ from tqdm import tqdm
 from speculative.drafter import (Eagle3Drafter, drafter_config_for, drafter_state_dict, load_drafter,
                                  random_drafter_state, save_drafter)
 from speculative.train.config import TrainConfig
-from speculative.train.data import TokenStore, batches, collate, draft_vocab, load_data, response_token_counts
+from speculative.train.data import (TokenStore, batches, collate, draft_vocab, load_data, response_token_counts,
+                                    vocab_coverage)
 from speculative.train.target import target_draft_probs, target_features
 from speculative.train.ttt import ttt_forward, ttt_loss
 from workers.llama import Llama, LlamaConfig
@@ -38,14 +39,16 @@ def init_drafter(cfg: TrainConfig, target: Llama, store: TokenStore, path: Path)
     counts = response_token_counts(store, target.cfg.vocab_size)
     if cfg.init_from:
         source = load_drafter(Path(cfg.init_from), target_embeddings=target.embed_tokens)
-        if (source.cfg.draft_vocab_size, source.cfg.target_hidden_size) != \
-                (cfg.draft_vocab_size, target.cfg.hidden_size):
-            raise ValueError(f"init_from {cfg.init_from}: draft vocabulary {source.cfg.draft_vocab_size} and target "
-                             f"hidden size {source.cfg.target_hidden_size}, but the config says "
-                             f"{cfg.draft_vocab_size} and the target has {target.cfg.hidden_size}")
+        if source.cfg.target_hidden_size != target.cfg.hidden_size or len(source.t2d) != target.cfg.vocab_size:
+            raise ValueError(f"init_from {cfg.init_from} was made for a target with hidden size "
+                             f"{source.cfg.target_hidden_size} and {len(source.t2d)} tokens, not this one "
+                             f"({target.cfg.hidden_size}, {target.cfg.vocab_size})")
+        if source.cfg.draft_vocab_size != cfg.draft_vocab_size:
+            raise ValueError(f"init_from {cfg.init_from} has a draft vocabulary of {source.cfg.draft_vocab_size} "
+                             f"tokens: set draft_vocab_size to that (it is {cfg.draft_vocab_size})")
         dcfg, state = source.cfg, drafter_state_dict(source)
         state = {n: t.float() if t.is_floating_point() else t for n, t in state.items()}
-        coverage = float(counts[state["t2d"].numpy()].sum() / max(counts.sum(), 1))
+        coverage = vocab_coverage(counts, state["t2d"])
     else:
         eos = target.cfg.eos_token_id
         always = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
@@ -114,9 +117,9 @@ def batch_stream(cfg: TrainConfig, store: TokenStore, skip: int):
 
 
 def _setup(cfg: TrainConfig, device, dtype):
-    store = load_data(Path(cfg.data))
+    store = load_data(cfg.data_dir)
     target = load_target(cfg.model, device, dtype)
-    ckpt = Path(cfg.checkpoint or cfg.output + ".ckpt")
+    ckpt = cfg.checkpoint_dir
     state = json.loads((ckpt / "trainer_state.json").read_text()) if (ckpt / "trainer_state.json").is_file() else None
     drafter = load_drafter(ckpt, target_embeddings=target.embed_tokens) if state \
         else init_drafter(cfg, target, store, ckpt)
@@ -128,6 +131,8 @@ def _setup(cfg: TrainConfig, device, dtype):
     if state:
         load_optimizer_state(ckpt, drafter, optimizer)
         log.info("resumed from %s at step %d", ckpt, state["step"])
+        if state["step"] >= state["max_steps"]:
+            log.warning("the checkpoint in %s is complete: nothing to train (delete it to start over)", ckpt)
     return store, target, drafter, optimizer, params, ckpt, state or {"step": 0, "max_steps": cfg.max_steps}
 
 
