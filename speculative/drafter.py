@@ -4,6 +4,9 @@ format (the one the EAGLE authors publish and vLLM, SGLang and TensorRT-LLM load
 Checkpoint tensors: midlayer.{self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, input_layernorm,
 hidden_norm, post_attention_layernorm}.weight, fc.weight, norm.weight, lm_head.weight, d2t, t2d and
 optionally embed_tokens.weight (shared with the target when absent). Target id = draft id + d2t[id].
+A 2-D weight may also be stored as int8 with a float32 scale per output row, `<name>_scale`
+(`quantize_int8`): half the bytes of bfloat16, dequantized on load. The other tools load the
+bfloat16 form only.
 """
 import json
 from dataclasses import dataclass
@@ -124,7 +127,7 @@ def load_drafter(path: Path, group=None, target_embeddings: VocabParallelEmbeddi
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"drafter directory {path} has no config.json")
     cfg = DrafterConfig.from_hf(json.loads((path / "config.json").read_text()))
-    tensors = {_standard_name(n): t for n, t in iter_safetensors(path)}
+    tensors = dequantize_int8({_standard_name(n): t for n, t in iter_safetensors(path)})
     num_aux = tensors["fc.weight"].shape[1] // cfg.target_hidden_size if "fc.weight" in tensors else 3
     own = "embed_tokens.weight" in tensors
     if not own and target_embeddings is None:
@@ -177,6 +180,29 @@ def drafter_state_dict(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
     if drafter.has_own_embeddings:
         state["embed_tokens.weight"] = drafter.embed_tokens.weight
     return {n: t.detach().contiguous().cpu() for n, t in state.items()}
+
+
+def quantize_int8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every 2-D float weight -> int8 rows with a float32 scale each (round(w / scale), scale =
+    max|row| / 127); the other float tensors in bfloat16."""
+    out = {}
+    for name, t in state.items():
+        if t.is_floating_point() and t.dim() == 2:
+            scale = t.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+            out[name] = (t.float() / scale).round().to(torch.int8)
+            out[name + "_scale"] = scale
+        else:
+            out[name] = t.to(torch.bfloat16) if t.is_floating_point() else t
+    return out
+
+
+def dequantize_int8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `quantize_int8` (float32 weights); tensors without a scale pass through."""
+    out = {n: t for n, t in tensors.items() if not n.endswith("_scale")}
+    for name in out:
+        if name + "_scale" in tensors:
+            out[name] = out[name].float() * tensors[name + "_scale"].float()
+    return out
 
 
 def save_drafter(path: Path, cfg: DrafterConfig, state: dict[str, torch.Tensor],

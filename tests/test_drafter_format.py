@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from conftest import run_to_completion, tiny_engine, tiny_prompts
 from speculative.config import SamplingParams
 from speculative.drafter import (DrafterConfig, drafter_config_for, drafter_state_dict, load_drafter,
-                                 random_drafter_state, save_drafter)
+                                 quantize_int8, random_drafter_state, save_drafter)
 from workers.attention import ForwardBatch, allocate_kv_cache
 from workers.llama import LlamaConfig
 from workers.loader import load_config
@@ -75,6 +75,32 @@ def test_sharded_save(tmp_path, tiny_dir):
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
     assert not (tmp_path / "model.safetensors.index.json").exists()
     assert all(torch.equal(drafter_state_dict(load_drafter(tmp_path))[n], t) for n, t in state.items())
+
+
+def test_int8_storage(tmp_path, tiny_dir):
+    """quantize_int8: every 2-D weight as int8 rows + a scale each, under 0.55x the bfloat16 bytes;
+    it loads to weights within half a step of each row's scale, and the drafter proposes as before."""
+    target_cfg = LlamaConfig.from_hf(load_config(tiny_dir))
+    cfg = drafter_config_for(target_cfg, draft_vocab_size=40)
+    state = random_drafter_state(cfg, seed=7, with_embeddings=True)
+    save_drafter(tmp_path / "bf16", cfg, state, torch.bfloat16)
+    save_drafter(tmp_path / "int8", cfg, quantize_int8(state))
+    sizes = {d: sum(f.stat().st_size for f in (tmp_path / d).glob("*.safetensors")) for d in ("bf16", "int8")}
+    assert sizes["int8"] < 0.55 * sizes["bf16"], sizes
+    int8 = load_drafter(tmp_path / "int8")
+    loaded = drafter_state_dict(int8)
+    assert loaded.keys() == state.keys()
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and tensor.dim() == 2:
+            step = tensor.abs().amax(dim=1, keepdim=True) / 127
+            assert ((loaded[name] - tensor).abs() <= step / 2 + 1e-6).all(), name
+            assert not torch.equal(loaded[name], tensor)  # quantized indeed
+        else:
+            assert torch.allclose(loaded[name], tensor.to(loaded[name].dtype), rtol=1e-2), name
+    h_float, ids_float = drafter_outputs(load_drafter(tmp_path / "bf16"))
+    h_int8, ids_int8 = drafter_outputs(int8)
+    assert torch.allclose(h_int8, h_float, atol=0.05 * h_float.abs().max().item())
+    assert (ids_int8 == ids_float).float().mean() >= 0.8
 
 
 # ---- the EAGLE authors' layout ----

@@ -42,7 +42,8 @@ class TrainConfig(BaseModel):
     output: str                                  # exported drafter directory
     data: str | None = None                      # directory of self-distilled parts; default: OUTPUT.data
     checkpoint: str | None = None                # periodic checkpoints; default: OUTPUT.ckpt
-    # train further from this drafter (its weights and draft vocabulary) instead of a fresh one
+    # train further from this drafter instead of a fresh one: its weights, and its head rows for the
+    # tokens that the new draft vocabulary (picked from the data) also holds
     init_from: str | None = None
     distill: DistillConfig = DistillConfig()
     draft_vocab_size: int = Field(4096, ge=2)
@@ -62,7 +63,8 @@ class TrainConfig(BaseModel):
     fit_steps_to_time: bool = False              # shrink max_steps so the LR schedule ends in time
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # of the frozen target and autocast
-    export_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    # int8: 2-D weights as int8 with a scale per row (drafter.quantize_int8), to fit a size cap
+    export_dtype: Literal["float32", "bfloat16", "int8"] = "bfloat16"
     export_shard_mb: float | None = Field(None, gt=0)  # split the exported weights into files of at most this
     seed: int = 0
 

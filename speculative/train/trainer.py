@@ -5,6 +5,7 @@ import json
 import logging
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -12,10 +13,9 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from speculative.drafter import (Eagle3Drafter, drafter_config_for, drafter_state_dict, load_drafter,
-                                 random_drafter_state, save_drafter)
+                                 quantize_int8, random_drafter_state, save_drafter)
 from speculative.train.config import TrainConfig
-from speculative.train.data import (TokenStore, batches, collate, draft_vocab, load_data, response_token_counts,
-                                    vocab_coverage)
+from speculative.train.data import TokenStore, batches, collate, draft_vocab, load_data, response_token_counts
 from speculative.train.target import target_draft_probs, target_features
 from speculative.train.ttt import ttt_forward, ttt_loss
 from workers.llama import Llama, LlamaConfig
@@ -33,31 +33,36 @@ def load_target(model: str, device: torch.device, dtype: torch.dtype) -> Llama:
 
 
 def init_drafter(cfg: TrainConfig, target: Llama, store: TokenStore, path: Path) -> Eagle3Drafter:
-    """The drafter to train, written to `path` (the checkpoint format) and loaded back: a copy of
-    `cfg.init_from`, or a fresh one whose LM head and final norm start from the target's rows for
-    the draft vocabulary (a warm start for the head)."""
+    """The drafter to train, written to `path` (the checkpoint format) and loaded back. Its draft
+    vocabulary is the responses' most frequent tokens; its LM head and final norm start from the
+    target's rows for them (a warm start for the head). With `cfg.init_from`, every other weight
+    comes from that drafter, and so do the head rows of the tokens both vocabularies hold."""
     counts = response_token_counts(store, target.cfg.vocab_size)
+    eos = target.cfg.eos_token_id
+    always = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
+    d2t, t2d, coverage = draft_vocab(counts, cfg.draft_vocab_size, always)
+    draft_to_target = torch.arange(cfg.draft_vocab_size) + d2t
+    head = target.lm_head.weight[draft_to_target.to(target.lm_head.weight.device)].float().cpu()
+    dcfg = drafter_config_for(target.cfg, cfg.draft_vocab_size)
+    state = random_drafter_state(dcfg, len(target.aux_layer_ids), cfg.seed)
+    state["norm.weight"] = target.norm.weight.float().cpu()
     if cfg.init_from:
         source = load_drafter(Path(cfg.init_from), target_embeddings=target.embed_tokens)
         if source.cfg.target_hidden_size != target.cfg.hidden_size or len(source.t2d) != target.cfg.vocab_size:
             raise ValueError(f"init_from {cfg.init_from} was made for a target with hidden size "
                              f"{source.cfg.target_hidden_size} and {len(source.t2d)} tokens, not this one "
                              f"({target.cfg.hidden_size}, {target.cfg.vocab_size})")
-        if source.cfg.draft_vocab_size != cfg.draft_vocab_size:
-            raise ValueError(f"init_from {cfg.init_from} has a draft vocabulary of {source.cfg.draft_vocab_size} "
-                             f"tokens: set draft_vocab_size to that (it is {cfg.draft_vocab_size})")
-        dcfg, state = source.cfg, drafter_state_dict(source)
-        state = {n: t.float() if t.is_floating_point() else t for n, t in state.items()}
-        coverage = vocab_coverage(counts, state["t2d"])
-    else:
-        eos = target.cfg.eos_token_id
-        always = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
-        d2t, t2d, coverage = draft_vocab(counts, cfg.draft_vocab_size, always)
-        dcfg = drafter_config_for(target.cfg, cfg.draft_vocab_size)
-        state = random_drafter_state(dcfg, len(target.aux_layer_ids), cfg.seed)
-        draft_to_target = torch.arange(cfg.draft_vocab_size) + d2t
-        state.update(d2t=d2t, t2d=t2d, **{"lm_head.weight": target.lm_head.weight[draft_to_target.to(
-            target.lm_head.weight.device)].float().cpu(), "norm.weight": target.norm.weight.float().cpu()})
+        dcfg = replace(source.cfg, draft_vocab_size=cfg.draft_vocab_size)
+        weights = drafter_state_dict(source)
+        row = torch.full((target.cfg.vocab_size,), -1)
+        row[draft_to_target] = torch.arange(cfg.draft_vocab_size)
+        source_rows = row[torch.arange(source.cfg.draft_vocab_size) + source.d2t.cpu()]
+        shared = source_rows >= 0
+        head[source_rows[shared]] = weights.pop("lm_head.weight")[shared].float()
+        state = {n: t.float() if t.is_floating_point() else t for n, t in weights.items()}
+        log.info("from %s: %d of %d draft tokens keep its head rows", cfg.init_from, int(shared.sum()),
+                 cfg.draft_vocab_size)
+    state.update({"lm_head.weight": head, "d2t": d2t, "t2d": t2d})
     log.info("draft vocabulary of %d tokens covers %.1f%% of response tokens", cfg.draft_vocab_size, 100 * coverage)
     save_drafter(path, dcfg, state)
     (path / "vocab_coverage.json").write_text(json.dumps({"coverage": coverage}))
@@ -189,9 +194,11 @@ def train(cfg: TrainConfig) -> dict:
 def export(cfg: TrainConfig, drafter: Eagle3Drafter, step: int, max_steps: int, metrics: dict,
            train_s: float) -> dict:
     out = Path(cfg.output)
-    dtype = torch.bfloat16 if cfg.export_dtype == "bfloat16" else torch.float32
+    state, dtype = drafter_state_dict(drafter), {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(cfg.export_dtype)
+    if cfg.export_dtype == "int8":
+        state = quantize_int8(state)
     max_shard_bytes = int(cfg.export_shard_mb * 1e6) if cfg.export_shard_mb else None
-    save_drafter(out, drafter.cfg, drafter_state_dict(drafter), dtype, max_shard_bytes)
+    save_drafter(out, drafter.cfg, state, dtype, max_shard_bytes)
     (out / "training_config.json").write_text(cfg.model_dump_json(indent=2))
     summary = {"step": step, "max_steps": max_steps, "is_complete": step >= max_steps,
                "train_s_this_run": round(train_s, 1), "metrics": metrics}
