@@ -237,7 +237,8 @@ def main(argv=None) -> None:
     train.add_argument("--max-steps", type=int)
     train.add_argument("--draft-vocab-size", type=int)
     train.add_argument("--ttt-steps", type=int, help="unrolled draft steps")
-    train.add_argument("--init-from", help="drafter directory to start from (its weights; the head rows of tokens both draft vocabularies hold)")
+    train.add_argument("--init-from", help="drafter directory to start from (its weights, and its head rows "
+                       "for the tokens the new draft vocabulary holds)")
     train.add_argument("--time-limit", type=float, help="seconds of training; then checkpoint and stop")
     train.add_argument("--distill-time-limit", type=float, help="seconds of self-distillation (admitting prompts)")
     train.add_argument("--device", choices=["auto", "cpu", "cuda"])
