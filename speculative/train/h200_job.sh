@@ -7,6 +7,8 @@
 #               committed one, instead of a fresh one; RESUME=1 continues the checkpoint that an
 #               earlier train job left on a warm machine, which is otherwise removed)
 #   acceptance  measure the drafter's acceptance
+#   stage       nothing but the copy of carried parts into /tmp/eagle/data, which every call does
+#               first: a call of its own when the parts and .device/data exceed one call's carry
 # Data parts travel between jobs in .device/distilled: copy them there from $OUT/data and carry
 # that folder. Run from the repo root after the .device bundles are staged (see README in
 # speculative/drafters/smollm2-135m). Writes the drafter, logs and results under $OUT.
