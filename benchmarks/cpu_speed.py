@@ -3,7 +3,7 @@
 Every configuration runs in its own subprocess, so each reports its own peak RSS. GSM8K test
 questions with the chat template, greedy, fp32. Writes benchmarks/cpu_speed.json.
 
-    python benchmarks/cpu_speed.py [--max-tokens 64] [--threads 1] [--k 3] [--conversion]
+    python benchmarks/cpu_speed.py [--max-tokens 64] [--threads 1] [--k 3] [--conversion] [--also-drafter DIR]
 """
 import argparse
 import json
@@ -110,6 +110,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads (1 by default: on a small shared machine more threads contend)")
     p.add_argument("--conversion", action="store_true", help="also time the GGUF conversion on a fresh cache")
+    p.add_argument("--also-drafter", help="a second drafter directory, measured in the same run (eagle3-alt rows)")
     p.add_argument("--output", type=Path, default=HERE / "cpu_speed.json")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -124,17 +125,20 @@ def main() -> None:
                     "acceptance ~1.0 token/step, so speculation only adds work and is expected to be slower")
     configs = []
     for batch, num_prompts in ((1, 4), (8, 8)):
-        for drafter in ("none", "default"):
-            name = f"{'plain' if drafter == 'none' else 'eagle3'}-b{batch}"
-            configs.append({"name": name, "drafter": drafter, "k": args.k, "batch": batch, "num_prompts": num_prompts,
-                            "max_tokens": args.max_tokens, "threads": args.threads})
+        for name, drafter in (("plain", "none"), ("eagle3", "default"), ("eagle3-alt", args.also_drafter)):
+            if drafter is None:
+                continue
+            configs.append({"name": f"{name}-b{batch}", "drafter": drafter, "k": args.k, "batch": batch,
+                            "num_prompts": num_prompts, "max_tokens": args.max_tokens, "threads": args.threads})
     results = [in_subprocess(c) for c in configs]
     by_name = {r["name"]: r for r in results}
-    for batch in (1, 8):
-        plain, spec = by_name[f"plain-b{batch}"], by_name[f"eagle3-b{batch}"]
-        spec["speedup_vs_plain"] = round(spec["tokens_per_s"] / plain["tokens_per_s"], 3)
-        spec["identical_to_plain"] = spec["output_ids"] == plain["output_ids"]
-    report = {"model": "smollm2-135m (fp32, CPU)", "drafter": drafter_note, "threads": args.threads,
+    for r in results:
+        if not r["name"].startswith("plain"):
+            plain = by_name[f"plain-b{r['batch']}"]
+            r["speedup_vs_plain"] = round(r["tokens_per_s"] / plain["tokens_per_s"], 3)
+            r["identical_to_plain"] = r["output_ids"] == plain["output_ids"]
+    report = {"model": "smollm2-135m (fp32, CPU)", "drafter": drafter_note, "also_drafter": args.also_drafter,
+              "threads": args.threads,
               "prompts": "GSM8K test, chat template, greedy", "cpu_count": os.cpu_count(),
               "results": [{k: v for k, v in r.items() if k != "output_ids"} for r in results]}
     if args.conversion:
@@ -145,10 +149,10 @@ def main() -> None:
 
     print(f"\nSmolLM2-135M on CPU ({args.threads} thread(s)), {args.max_tokens} new tokens, K={args.k}")
     print(f"drafter: {drafter_note}\n")
-    print(f"{'config':<11} {'batch':>5} {'tok/s':>8} {'vs plain':>8} {'accept len':>10} {'peak RSS MiB':>12} "
+    print(f"{'config':<13} {'batch':>5} {'tok/s':>8} {'vs plain':>8} {'accept len':>10} {'peak RSS MiB':>12} "
           f"{'load s':>7} {'same tokens':>11}")
     for r in results:
-        print(f"{r['name']:<11} {r['batch']:>5} {r['tokens_per_s']:>8.2f} {r.get('speedup_vs_plain', 1.0):>8.2f} "
+        print(f"{r['name']:<13} {r['batch']:>5} {r['tokens_per_s']:>8.2f} {r.get('speedup_vs_plain', 1.0):>8.2f} "
               f"{r['acceptance_length']:>10.2f} {r['peak_rss_mib']:>12.0f} {r['load_s']:>7.1f} "
               f"{str(r.get('identical_to_plain', '-')):>11}")
     for r in results:
