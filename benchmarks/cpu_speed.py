@@ -125,7 +125,8 @@ def main() -> None:
                     "acceptance ~1.0 token/step, so speculation only adds work and is expected to be slower")
     configs = []
     for batch, num_prompts in ((1, 4), (8, 8)):
-        for name, drafter in (("plain", "none"), ("eagle3", "default"), ("eagle3-alt", args.also_drafter)):
+        also = str(Path(args.also_drafter).resolve()) if args.also_drafter else None  # the children run elsewhere
+        for name, drafter in (("plain", "none"), ("eagle3", "default"), ("eagle3-alt", also)):
             if drafter is None:
                 continue
             configs.append({"name": f"{name}-b{batch}", "drafter": drafter, "k": args.k, "batch": batch,

@@ -1,7 +1,7 @@
 """How well `--init-from` starts when the draft vocabulary grows: teacher-forced accuracy per depth
-on a few distilled sequences, before any training step, of the source drafter, of the grown one as
-`init_drafter` makes it (the rows of new tokens: the target's rows through the affine map fitted to
-the source's rows), and of the grown one with the target's rows as they are. CPU, fp32.
+on the last few distilled sequences, before any training step, of the source drafter, of the grown
+one as `init_drafter` makes it (the rows of new tokens: the target's rows through the affine map
+fitted to the source's rows), and of the grown one with the target's rows as they are. CPU, fp32.
 
     python benchmarks/init_from_probe.py --source DIR --data DIR [--vocab 24576] -o FILE
 """
@@ -34,8 +34,8 @@ def main() -> None:
                       ttt_steps=3, device="cpu")
     store = load_data(cfg.data_dir)
     target = load_target(args.model, torch.device("cpu"), torch.float32)
-    middle = len(store) // 2
-    batch = collate(store, list(range(middle, middle + args.sequences)), 1024)
+    # the last sequences: distilled last, so a source trained on earlier data has not seen them
+    batch = collate(store, list(range(len(store) - args.sequences, len(store))), 1024)
 
     def accuracy(drafter) -> list[float]:
         draft_to_target = (torch.arange(drafter.cfg.draft_vocab_size) + drafter.d2t).long()

@@ -199,9 +199,14 @@ def quantize_int8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def dequantize_int8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The inverse of `quantize_int8` (float32 weights); tensors without a scale pass through."""
     out = {n: t for n, t in tensors.items() if not n.endswith("_scale")}
+    for name in tensors.keys() - out.keys():
+        if name.removesuffix("_scale") not in out:
+            raise KeyError(f"drafter tensor {name!r} has no weight {name.removesuffix('_scale')!r} beside it")
     for name in out:
         if name + "_scale" in tensors:
             out[name] = out[name].float() * tensors[name + "_scale"].float()
+        elif out[name].dtype == torch.int8:
+            raise KeyError(f"int8 drafter tensor {name!r} has no {name + '_scale'!r} beside it")
     return out
 
 

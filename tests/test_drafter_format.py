@@ -101,6 +101,12 @@ def test_int8_storage(tmp_path, tiny_dir):
     h_int8, ids_int8 = drafter_outputs(int8)
     assert torch.allclose(h_int8, h_float, atol=0.05 * h_float.abs().max().item())
     assert (ids_int8 == ids_float).float().mean() >= 0.8
+    # a weight without its scale, or a scale without its weight (say, a shard missing), is refused
+    stored = quantize_int8(state)
+    for missing in ("fc.weight_scale", "fc.weight"):
+        save_drafter(tmp_path / "broken", cfg, {n: t for n, t in stored.items() if n != missing})
+        with pytest.raises(KeyError, match="fc.weight"):
+            load_drafter(tmp_path / "broken")
 
 
 # ---- the EAGLE authors' layout ----
