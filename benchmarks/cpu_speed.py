@@ -123,9 +123,9 @@ def main() -> None:
     drafter_note = ("trained drafter speculative/drafters/smollm2-135m" if trained else
                     "random-weight default drafter (no trained drafter in speculative/drafters/smollm2-135m): "
                     "acceptance ~1.0 token/step, so speculation only adds work and is expected to be slower")
+    also = str(Path(args.also_drafter).resolve()) if args.also_drafter else None  # the children run elsewhere
     configs = []
     for batch, num_prompts in ((1, 4), (8, 8)):
-        also = str(Path(args.also_drafter).resolve()) if args.also_drafter else None  # the children run elsewhere
         for name, drafter in (("plain", "none"), ("eagle3", "default"), ("eagle3-alt", also)):
             if drafter is None:
                 continue

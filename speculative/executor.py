@@ -40,7 +40,7 @@ class RayExecutor:
         self.result_timeout_s = result_timeout_s
         self.timings = ExecutorTimings()
         self.trace: list[dict] | None = None  # set to a list to record every step's timeline
-        self.sent_at: dict[int, float] = {}
+        self.sent_at: dict[int, tuple[float, int, int]] = {}  # step id -> (sent at, prefills, decodes)
         check_tp_size(cfg)
         use_gpu = wants_gpu(cfg)
         resource = "GPU" if use_gpu else "CPU"

@@ -190,29 +190,20 @@ def length_sorted_chunks(encoded, chunk: int, max_len: int):
         yield from sorted(part, key=len)
 
 
-def response_token_counts(store: TokenStore, vocab_size: int) -> np.ndarray:
-    responses = [store.seq(i)[store.prompt_lens[i]:] for i in range(len(store))]
-    return np.bincount(np.concatenate(responses + [np.zeros(0, np.int32)]), minlength=vocab_size)
-
-
-def draft_vocab(counts: np.ndarray, draft_vocab_size: int,
+def draft_vocab(store: TokenStore, vocab_size: int, draft_vocab_size: int,
                 always: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """The most frequent response tokens (`counts` [V], response_token_counts) -> (d2t [Vd] int64
-    offsets, t2d [V] bool, coverage). Draft ids keep the target order, so target id = draft id +
-    d2t[draft id]."""
-    vocab_size = len(counts)
+    """The most frequent response tokens -> (d2t [Vd] int64 offsets, t2d [V] bool, coverage).
+    Draft ids keep the target order, so target id = draft id + d2t[draft id]."""
+    responses = [store.seq(i)[store.prompt_lens[i]:] for i in range(len(store))]
+    counts = np.bincount(np.concatenate(responses + [np.zeros(0, np.int32)]), minlength=vocab_size)
     priority = counts.copy()
     priority[list(always)] = counts.max() + 1
     chosen = np.sort(np.argsort(-priority, kind="stable")[:draft_vocab_size])
+    coverage = float(counts[chosen].sum() / max(counts.sum(), 1))
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[torch.from_numpy(chosen)] = True
     d2t = torch.from_numpy(chosen).long() - torch.arange(draft_vocab_size)
-    return d2t, t2d, vocab_coverage(counts, t2d)
-
-
-def vocab_coverage(counts: np.ndarray, t2d: torch.Tensor) -> float:
-    """The share of response tokens (`counts`) that the draft vocabulary (`t2d`) holds."""
-    return float(counts[t2d.numpy()].sum() / max(counts.sum(), 1))
+    return d2t, t2d, coverage
 
 
 # Batches are padded to a multiple of this many tokens, so that few shapes occur. Padded to its

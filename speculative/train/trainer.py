@@ -15,7 +15,7 @@ from tqdm import tqdm
 from speculative.drafter import (Eagle3Drafter, drafter_config_for, drafter_state_dict, load_drafter,
                                  quantize_int8, random_drafter_state, save_drafter)
 from speculative.train.config import TrainConfig
-from speculative.train.data import TokenStore, batches, collate, draft_vocab, load_data, response_token_counts
+from speculative.train.data import TokenStore, batches, collate, draft_vocab, load_data
 from speculative.train.target import target_draft_probs, target_features
 from speculative.train.ttt import ttt_forward, ttt_loss
 from workers.llama import Llama, LlamaConfig
@@ -38,10 +38,9 @@ def init_drafter(cfg: TrainConfig, target: Llama, store: TokenStore, path: Path)
     target's rows for them (a warm start for the head). With `cfg.init_from`, every other weight
     comes from that drafter, and so do the head rows of the tokens both vocabularies hold; the
     other rows are the target's, mapped as the source's rows were."""
-    counts = response_token_counts(store, target.cfg.vocab_size)
     eos = target.cfg.eos_token_id
     always = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
-    d2t, t2d, coverage = draft_vocab(counts, cfg.draft_vocab_size, always)
+    d2t, t2d, coverage = draft_vocab(store, target.cfg.vocab_size, cfg.draft_vocab_size, always)
     draft_to_target = torch.arange(cfg.draft_vocab_size) + d2t
     head = target.lm_head.weight[draft_to_target.to(target.lm_head.weight.device)].float().cpu()
     if not cfg.init_from:
