@@ -4,14 +4,16 @@
    rejected position is classed as outside the draft vocabulary (never draftable), copyable (the
    pair of it and the token before it occurs in the prompt, as prompt-lookup decoding would find
    it), or other; with the share of steps whose first draft is accepted and the acceptance length.
-2. The training objective's view: teacher-forced accuracy per draft depth (`ttt_forward` over the
+2. The training objective's view: teacher-forced accuracy per draft depth (`train_step` over the
    whole prompt + response, argmax against the target's, over rows whose target token is
    draftable). If the views disagree, inference does not run the drafter that training made.
 
 Besides the EAGLE sets, `train_seen` takes the first training prompts of the default distillation
 order (distilled and trained on) and `train_unseen` the last ones (never distilled): the gap
-between them is what the drafter memorised rather than learned. Runs the in-process engine
-without overlap, so the drafts a step verifies can be read from the worker's slot state.
+between them is what the drafter memorised rather than learned. `train_long_seen` and
+`train_long_unseen` do the same for long inputs (2000-5000 characters), like the sum set's. Runs
+the in-process engine without overlap, so the drafts a step verifies can be read from the
+worker's slot state.
 
     python benchmarks/draft_misses.py --device cpu --num-prompts 8 --max-tokens 128 -o FILE
 """
@@ -29,19 +31,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from acceptance import load_sets  # noqa: E402  (benchmarks/acceptance.py)
 from speculative.config import EngineConfig, SamplingParams  # noqa: E402
 from speculative.engine import LLMEngine, encode_prompt  # noqa: E402
-from speculative.train.config import DistillConfig  # noqa: E402
+from speculative.train.config import DistillConfig, TrainConfig  # noqa: E402
 from speculative.train.data import prompt_order, read_prompts  # noqa: E402
-from speculative.train.target import target_draft_probs, target_features  # noqa: E402
-from speculative.train.ttt import ttt_forward, ttt_loss  # noqa: E402
+from speculative.train.trainer import train_step  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-def training_prompts(data_root: Path, n: int) -> tuple[list[str], list[str]]:
-    """(first n, last n) prompts of at most 1500 characters in the default distillation order."""
+def training_prompts(data_root: Path, n: int, chars: tuple[int, int]) -> tuple[list[str], list[str]]:
+    """(first n, last n) prompts whose length in characters is within `chars`, in the default
+    distillation order."""
     files = sorted(str(f) for f in (data_root / "train_prompts").glob("*.jsonl.gz")) + \
         [str(data_root / "gsm8k" / "train.jsonl.gz")]
-    order = [t for t in prompt_order(read_prompts(files), DistillConfig(prompt_files=files)) if len(t) <= 1500]
+    order = [t for t in prompt_order(read_prompts(files), DistillConfig(prompt_files=files))
+             if chars[0] <= len(t) <= chars[1]]
     return order[:n], order[-n:]
 
 
@@ -81,16 +84,14 @@ def misses(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tupl
 @torch.no_grad()
 def teacher_forced_accuracy(engine: LLMEngine, requests: list, depths: int) -> list[float]:
     runner = engine.executor
-    target, drafter = runner.target, runner.drafter
+    drafter = runner.drafter
     draft_to_target = (torch.arange(drafter.cfg.draft_vocab_size, device=runner.device) + drafter.d2t).long()
+    cfg = TrainConfig(model="unused", output="unused", data="unused", ttt_steps=depths, step_decay=1.0)
     accuracies = []
     for r in requests:
-        ids = torch.tensor([r.prompt_ids + r.output_ids], device=runner.device)
-        hidden, aux = target_features(target, ids)
-        probs, is_in_draft = target_draft_probs(target, hidden, draft_to_target)
-        _, accuracy = ttt_loss(ttt_forward(drafter, ids, aux, depths), probs, is_in_draft,
-                               torch.tensor([ids.shape[1]], device=runner.device),
-                               torch.tensor([len(r.prompt_ids)], device=runner.device), decay=1.0)
+        batch = (torch.tensor([r.prompt_ids + r.output_ids]), torch.tensor([len(r.prompt_ids) + len(r.output_ids)]),
+                 torch.tensor([len(r.prompt_ids)]))
+        _, accuracy = train_step(cfg, runner.target, drafter, draft_to_target, batch, runner.device, torch.float32)
         accuracies.append(accuracy.cpu())
     return [round(a, 4) for a in torch.stack(accuracies).mean(0).tolist()]
 
@@ -100,7 +101,8 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--drafter", default="default")
     p.add_argument("-k", type=int, default=3, help="draft tokens (the engine) and depths (the accuracy)")
-    p.add_argument("--sets", nargs="+", default=["gsm8k", "alpaca", "sum", "qa", "train_seen", "train_unseen"])
+    p.add_argument("--sets", nargs="+", default=["gsm8k", "alpaca", "sum", "qa", "train_seen", "train_unseen",
+                                                 "train_long_seen", "train_long_unseen"])
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -110,19 +112,22 @@ def main(argv=None) -> None:
     engine = LLMEngine(EngineConfig(model=args.model, drafter=args.drafter, num_draft_tokens=args.k,
                                     max_batch_size=args.num_prompts, device=args.device, overlap=False))
     sets = {name.removeprefix("eagle_"): texts for name, texts in load_sets(args.data_root, 0).items()}
-    sets["train_seen"], sets["train_unseen"] = training_prompts(args.data_root, args.num_prompts)
+    sets["train_seen"], sets["train_unseen"] = training_prompts(args.data_root, args.num_prompts, (0, 1500))
+    # long inputs (~500-1500 tokens), like the sum set's articles; 3% of the training prompts
+    sets["train_long_seen"], sets["train_long_unseen"] = training_prompts(args.data_root, args.num_prompts,
+                                                                          (2000, 5000))
     results = {}
     for name in tqdm(args.sets, desc="sets"):
         prompts = [encode_prompt(engine.tokenizer, q) for q in sets[name][:args.num_prompts]]
         counts, requests = misses(engine, prompts, args.max_tokens)
         results[name] = dict(counts, accuracy_by_depth=teacher_forced_accuracy(engine, requests, args.k))
     kinds = ("not_in_draft_vocab", "copyable", "other")
-    print(f"{'set':12} {'acc len':>7} {'draft 1 hit':>11} {'misses':>7} {'not in vocab':>12} {'copyable':>9} "
+    print(f"{'set':17} {'acc len':>7} {'draft 1 hit':>11} {'misses':>7} {'not in vocab':>12} {'copyable':>9} "
           f"{'other':>6}  accuracy by depth")
     for name, c in results.items():
         total = sum(c.get(f"miss_{k}", 0) for k in kinds)
         share = {k: c.get(f"miss_{k}", 0) / max(total, 1) for k in kinds}
-        print(f"{name:12} {c['verify_emitted'] / max(c['verify_steps'], 1):>7.2f} "
+        print(f"{name:17} {c['verify_emitted'] / max(c['verify_steps'], 1):>7.2f} "
               f"{c['first_draft_hit'] / max(c['steps'], 1):>11.2f} {total:>7} {share['not_in_draft_vocab']:>12.1%} "
               f"{share['copyable']:>9.1%} {share['other']:>6.1%}  {' '.join(f'{a:.2f}' for a in c['accuracy_by_depth'])}")
     if args.output:

@@ -19,7 +19,7 @@ from speculative.train.data import (PAD_MULTIPLE, TokenStore, batches, collate, 
                                     load_data, prompt_order, save_parts, self_distill)
 from speculative.train.pipeline import train_drafter
 from speculative.train.trainer import init_drafter, load_target, train_step
-from speculative.train.ttt import ttt_loss, ttt_mask
+from speculative.train.ttt import loss_rows, ttt_loss, ttt_mask
 from workers.llama import LlamaConfig
 from tiny_models import tiny_llama
 from workers.loader import load_config
@@ -60,19 +60,27 @@ def test_ttt_loss_weighs_prompt_positions():
     """Rows whose next token is in the prompt count only with prompt_weight > 0, scaled by it."""
     torch.manual_seed(0)
     B, T, V = 2, 12, 7
-    probs = torch.softmax(torch.randn(B, T, V), -1)
-    logits = [torch.randn(B, T, V), torch.randn(B, T, V)]
-    args = (torch.ones(B, T, dtype=torch.bool), torch.tensor([12, 10]), torch.tensor([6, 4]), 0.8)
-    changed = [x.clone() for x in logits]
+    probs_all = torch.softmax(torch.randn(B * T, V), -1)
+    hiddens = [torch.randn(B, T, V), torch.randn(B, T, V)]
+    changed = [x.clone() for x in hiddens]
     for x in changed:
         x[:, :3] += 5 * torch.randn(B, 3, V)  # rows t < 3: x[t+1] is a prompt token in both rows
-    assert torch.equal(ttt_loss(logits, probs, *args)[0], ttt_loss(changed, probs, *args)[0])
-    assert not torch.equal(ttt_loss(logits, probs, *args, 0.5)[0], ttt_loss(changed, probs, *args, 0.5)[0])
+
+    def loss(hiddens, lengths, prompt_lens, prompt_weight=0.0):
+        rows, row_weight = loss_rows(torch.tensor(lengths), torch.tensor(prompt_lens), T, prompt_weight)
+        probs = probs_all[rows + 1]
+        identity_head = lambda h: h  # noqa: E731  (the hiddens are the logits)
+        return ttt_loss(hiddens, identity_head, probs, torch.ones(len(rows)), rows, row_weight, 0.8)[0]
+
+    assert torch.equal(loss(hiddens, [12, 10], [6, 4]), loss(changed, [12, 10], [6, 4]))
+    assert not torch.equal(loss(hiddens, [12, 10], [6, 4], 0.5), loss(changed, [12, 10], [6, 4], 0.5))
     # prompt-only sequences (prompt length = length) count with the weight and nothing else
-    prompt_only = (torch.ones(B, T, dtype=torch.bool), torch.tensor([12, 10]), torch.tensor([12, 10]), 0.8)
-    assert ttt_loss(logits, probs, *prompt_only)[0] == 0
-    half, full = ttt_loss(logits, probs, *prompt_only, 0.5)[0], ttt_loss(logits, probs, *prompt_only, 1.0)[0]
+    assert loss(hiddens, [12, 10], [12, 10]) == 0
+    half, full = loss(hiddens, [12, 10], [12, 10], 0.5), loss(hiddens, [12, 10], [12, 10], 1.0)
     assert torch.isclose(2 * half, full) and full > 0
+    # rows whose x[t+2] does not exist are never read: the last two of each sequence
+    rows, _ = loss_rows(torch.tensor([12, 10]), torch.tensor([6, 4]), T)
+    assert (rows % T).tolist() == list(range(5, 10)) + list(range(3, 8))
 
 
 def test_distillation_keeps_undistilled_prompts(tmp_path):

@@ -37,17 +37,15 @@ def target_features(model: Llama, ids: torch.Tensor) -> tuple[torch.Tensor, torc
 @torch.no_grad()
 def target_draft_probs(model: Llama, hidden: torch.Tensor, draft_to_target: torch.Tensor,
                        chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden [B, T, H] -> (probs [B, T, Vd] float32: the target's distribution renormalised over
-    the draft vocabulary, is_in_draft [B, T]: whether the target's full-vocab argmax is a draft token).
+    """hidden [N, H] -> (probs [N, Vd] float32: the target's distribution renormalised over the
+    draft vocabulary, is_in_draft [N]: whether the target's full-vocab argmax is a draft token).
     Positions whose argmax is outside the draft vocabulary cannot be drafted; training skips them."""
-    B, T, H = hidden.shape
-    flat = hidden.reshape(-1, H)
     weight = model.lm_head.weight
     in_draft = torch.zeros(weight.shape[0], dtype=torch.bool, device=hidden.device)
     in_draft[draft_to_target] = True
     probs, is_in_draft = [], []
-    for part in flat.split(chunk):  # full-vocab logits only a chunk at a time
+    for part in hidden.split(chunk):  # full-vocab logits only a chunk at a time
         logits = F.linear(part, weight)                              # [n, V]
         is_in_draft.append(in_draft[logits.argmax(-1)])
         probs.append(torch.softmax(logits[:, draft_to_target].float(), dim=-1))
-    return torch.cat(probs).view(B, T, -1), torch.cat(is_in_draft).view(B, T)
+    return torch.cat(probs), torch.cat(is_in_draft)

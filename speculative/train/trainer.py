@@ -17,7 +17,7 @@ from speculative.drafter import (Eagle3Drafter, drafter_config_for, drafter_stat
 from speculative.train.config import TrainConfig
 from speculative.train.data import TokenStore, batches, collate, draft_vocab, load_data
 from speculative.train.target import target_draft_probs, target_features
-from speculative.train.ttt import ttt_forward, ttt_loss
+from speculative.train.ttt import loss_rows, ttt_forward, ttt_loss
 from workers.llama import Llama, LlamaConfig
 from workers.loader import load_config, load_target_weights, resolve_model
 from workers.device import pick_device, pick_dtype
@@ -117,12 +117,15 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
 
 
 def train_step(cfg: TrainConfig, target: Llama, drafter: Eagle3Drafter, draft_to_target, batch, device, dtype):
-    ids, lengths, prompt_lens = (x.to(device, non_blocking=True) for x in batch)
+    ids, lengths, prompt_lens = batch
+    rows, row_weight = loss_rows(lengths, prompt_lens, ids.shape[1], cfg.prompt_loss_weight)  # host: no GPU sync
+    ids, rows, row_weight = (x.to(device, non_blocking=True) for x in (ids, rows, row_weight))
     hidden, aux = target_features(target, ids)                    # [B, T, H], [B, T, 3H]
-    probs, is_in_draft = target_draft_probs(target, hidden, draft_to_target)
+    # row t learns the target's distribution at t+1, inside the sequence as x[t+2] exists
+    probs, is_in_draft = target_draft_probs(target, hidden.flatten(0, 1)[rows + 1], draft_to_target)
     with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-        logits = ttt_forward(drafter, ids, aux, cfg.ttt_steps)
-    return ttt_loss(logits, probs, is_in_draft, lengths, prompt_lens, cfg.step_decay, cfg.prompt_loss_weight)
+        hiddens = ttt_forward(drafter, ids, aux, cfg.ttt_steps)
+        return ttt_loss(hiddens, drafter.lm_head, probs, is_in_draft, rows, row_weight, cfg.step_decay)
 
 
 def batch_stream(cfg: TrainConfig, store: TokenStore, skip: int):

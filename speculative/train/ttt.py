@@ -43,44 +43,50 @@ def _layer(drafter: Eagle3Drafter, embeds, hidden, positions, keys: list, values
 
 
 def ttt_forward(drafter: Eagle3Drafter, ids: torch.Tensor, aux: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
-    """ids [B, T], aux [B, T, 3H_target] -> per depth the draft-vocab logits [B, T, Vd]; the row at
-    t predicts x[t+2]. Rows t < depth have no chain start and are to be masked by the caller."""
+    """ids [B, T], aux [B, T, 3H_target] -> per depth the drafter's final normed hidden [B, T, H]
+    (the LM head's input); the row at t predicts x[t+2]. Rows t < depth have no chain start and
+    are to be masked by the caller."""
     B, T = ids.shape
     positions = torch.arange(T, device=ids.device).expand(B, T)
     embeds = drafter.embed_tokens(ids.roll(-1, dims=1))      # [B, T, H] token x[t+1] at row t
     hidden = drafter.fc(aux)                                 # [B, T, H]
-    keys, values, logits = [], [], []
+    keys, values, outputs = [], [], []
     for _ in range(num_steps):
         h = _layer(drafter, embeds, hidden, positions, keys, values)
-        logits.append(drafter.lm_head(drafter.norm(h)))
+        outputs.append(drafter.norm(h))
         hidden = F.pad(h[:, :-1], (0, 0, 1, 0))              # row t gets the output at t-1
-    return logits
+    return outputs
 
 
-def ttt_loss(logits: list[torch.Tensor], target_probs: torch.Tensor, is_in_draft: torch.Tensor,
-             lengths: torch.Tensor, prompt_lens: torch.Tensor, decay: float, prompt_weight: float = 0.0):
-    """Soft cross-entropy of each depth against the target's draft-vocab distribution at t+1,
-    weighted decay**depth, over rows t where x[t+2] exists, the target's argmax is draftable and
-    the chain start t - depth >= 0. Rows where x[t+1] is a response token weigh 1, rows inside the
-    prompt `prompt_weight` (the prompt is the target's context, not its output, but it is data the
-    drafter otherwise never learns from). The sum is divided by the number of rows of weight > 0.
-    target_probs [B, T, Vd] (at position t), is_in_draft [B, T]. Returns (loss, per-depth accuracy
-    over the rows of weight > 0)."""
-    B, T, _ = target_probs.shape
-    t = torch.arange(T, device=target_probs.device).view(1, T)
-    probs_next = target_probs.roll(-1, dims=1)                               # [B, T, Vd] at t+1
-    usable = (t + 2 <= lengths.view(B, 1) - 1) & is_in_draft.roll(-1, dims=1)  # [B, T]
+def loss_rows(lengths: torch.Tensor, prompt_lens: torch.Tensor, T: int, prompt_weight: float = 0.0):
+    """The rows t of a [B, T] batch that the loss reads, as flat indices, and their weights: rows
+    where x[t+2] exists, weighing 1 where x[t+1] is a response token and `prompt_weight` inside the
+    prompt (the prompt is the target's context, not its output, but it is data the drafter otherwise
+    never learns from). Prompt rows and padding are about half of a batch: the loss skips them."""
+    B = len(lengths)
+    t = torch.arange(T, device=lengths.device).view(1, T)
+    exists = t + 2 <= lengths.view(B, 1) - 1
     is_response = t + 1 >= prompt_lens.view(B, 1)
-    weight = (usable & is_response).float()
-    if prompt_weight > 0:
-        weight = weight + prompt_weight * (usable & ~is_response).float()
-    target_ids = probs_next.argmax(-1)
+    weight = ((exists & is_response).float() + prompt_weight * (exists & ~is_response).float()).flatten()
+    rows = weight.nonzero().squeeze(1)
+    return rows, weight[rows]
+
+
+def ttt_loss(hiddens: list[torch.Tensor], head, probs: torch.Tensor, is_in_draft: torch.Tensor,
+             rows: torch.Tensor, row_weight: torch.Tensor, decay: float):
+    """Soft cross-entropy of each depth's draft distribution (`head` applied to `hiddens` at the
+    `rows` from `loss_rows`) against the target's draft-vocab distribution at t+1, `probs`
+    [len(rows), Vd], weighted decay**depth, over the rows whose target argmax is draftable
+    (`is_in_draft`) and whose chain start t - depth >= 0. Each depth's sum is divided by its number
+    of rows of weight > 0. Returns (loss, per-depth accuracy over those rows)."""
+    t = rows % hiddens[0].shape[1]
+    target_ids = probs.argmax(-1)
     total, accuracies = 0.0, []
-    for depth, depth_logits in enumerate(logits):
-        w = weight * (t >= depth)
-        counted = (w > 0).float()
-        count = counted.sum().clamp(min=1)
-        ce = -(probs_next * torch.log_softmax(depth_logits.float(), dim=-1)).sum(-1)  # [B, T]
-        total = total + decay ** depth * (ce * w).sum() / count
-        accuracies.append(((depth_logits.argmax(-1) == target_ids).float() * counted).sum() / count)
+    for depth, hidden in enumerate(hiddens):
+        w = row_weight * is_in_draft * (t >= depth)
+        count = (w > 0).sum().clamp(min=1)
+        logits = head(hidden.flatten(0, 1)[rows]).float()                   # [rows, Vd]
+        ce = -(probs * torch.log_softmax(logits, dim=-1)).sum(-1)
+        total = total + decay ** depth * (w * ce).sum() / count
+        accuracies.append(((logits.argmax(-1) == target_ids) & (w > 0)).sum() / count)
     return total, torch.stack(accuracies)
