@@ -7,6 +7,8 @@
 #               committed one, instead of a fresh one; RESUME=1 continues the checkpoint that an
 #               earlier train job left on a warm machine, which is otherwise removed)
 #   acceptance  measure the drafter's acceptance
+#   stepspeed   training steps/s with the loss over every row against the loss rows only
+#               (benchmarks/train_step_speed.py on the staged data)
 #   stage       nothing but the copy of carried parts into /tmp/eagle/data, which every call does
 #               first: a call of its own when the parts and .device/data exceed one call's carry
 # Data parts travel between jobs in .device/distilled: copy them there from $OUT/data and carry
@@ -37,6 +39,10 @@ if [[ " $PARTS " == *" train "* ]]; then
     cp $DRAFTER.ckpt/vocab_coverage.json $DRAFTER/ 2>/dev/null
     cp $DRAFTER/*.safetensors "$OUT/drafter/"
     (cd $DRAFTER && tar cf "$OUT/drafter/json.tar" *.json)
+fi
+if [[ " $PARTS " == *" stepspeed "* ]]; then
+    python3 benchmarks/train_step_speed.py --device cuda --data $DATA --model "$MODEL" \
+        --output "$OUT/train_step_speed.json" 2>&1 | grep -v "it/s\]" | tail -5
 fi
 if [[ " $PARTS " == *" acceptance "* ]]; then
     python3 benchmarks/acceptance.py --model "$MODEL" --drafter $DRAFTER --k ${BENCH_K:-3 5} --temperatures ${BENCH_T:-0 0.7} \
