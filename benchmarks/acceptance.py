@@ -51,6 +51,7 @@ def main(argv=None) -> None:
     p.add_argument("--num-gsm8k-test", type=int, default=200)
     p.add_argument("--data-root", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--prompt-lookup", type=float, default=0.0, help="EngineConfig.prompt_lookup (0: off)")
     p.add_argument("--output", type=Path, help="results JSON")
     args = p.parse_args(argv)
     sets = load_sets(args.data_root, args.num_gsm8k_test)
@@ -59,7 +60,8 @@ def main(argv=None) -> None:
         # the runner pads a prefill batch to its longest prompt, so budget for the padded size
         engine = LLMEngine(EngineConfig(model=args.model, drafter=args.drafter, num_draft_tokens=k,
                                         max_batch_size=args.max_batch_size, max_model_len=2048,
-                                        max_num_batched_tokens=args.max_batch_size * 2048, device=args.device))
+                                        max_num_batched_tokens=args.max_batch_size * 2048, device=args.device,
+                                        prompt_lookup=args.prompt_lookup))
         engine.scheduler.tokenizer = None  # acceptance needs no detokenizing
         encoded = {name: [encode_prompt(engine.tokenizer, text) for text in texts] for name, texts in sets.items()}
         for temperature in args.temperatures:

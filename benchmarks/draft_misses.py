@@ -106,11 +106,13 @@ def main(argv=None) -> None:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--prompt-lookup", type=float, default=0.0, help="EngineConfig.prompt_lookup (0: off)")
     p.add_argument("--data-root", type=Path, default=DATA)
     p.add_argument("-o", "--output", type=Path)
     args = p.parse_args(argv)
     engine = LLMEngine(EngineConfig(model=args.model, drafter=args.drafter, num_draft_tokens=args.k,
-                                    max_batch_size=args.num_prompts, device=args.device, overlap=False))
+                                    max_batch_size=args.num_prompts, device=args.device, overlap=False,
+                                    prompt_lookup=args.prompt_lookup))
     sets = {name.removeprefix("eagle_"): texts for name, texts in load_sets(args.data_root, 0).items()}
     sets["train_seen"], sets["train_unseen"] = training_prompts(args.data_root, args.num_prompts, (0, 1500))
     # long inputs (~500-1500 tokens), like the sum set's articles; 3% of the training prompts

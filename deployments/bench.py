@@ -148,7 +148,8 @@ def run_load(coordinator, prompts: list[list[int]], params: SamplingParams, conc
 
 def bench(model: str, drafter: str, ks: list[int], modes: list[str], graphs: list[bool], overlaps: list[bool],
           batches: list[int], prompts_text: list[str], output_len: int, ignore_eos: bool, device: str,
-          max_model_len: int, prompts_per_batch: int, graph_first_draft: bool = False) -> list[dict]:
+          max_model_len: int, prompts_per_batch: int, graph_first_draft: bool = False,
+          prompt_lookup: float = 0.0) -> list[dict]:
     from speculative.coordinator import Coordinator
     from speculative.engine import encode_prompt
     from workers.loader import load_tokenizer, resolve_model
@@ -161,7 +162,8 @@ def bench(model: str, drafter: str, ks: list[int], modes: list[str], graphs: lis
     for mode, k, use_graphs in engines:
         cfg = EngineConfig(model=model, drafter=drafter if mode == "eagle" else "none", num_draft_tokens=max(k, 1),
                            max_batch_size=max(batches), max_model_len=max_model_len, device=device,
-                           cuda_graphs=use_graphs, graph_first_draft=graph_first_draft)
+                           cuda_graphs=use_graphs, graph_first_draft=graph_first_draft,
+                           prompt_lookup=prompt_lookup if mode == "eagle" else 0.0)
         start = time.perf_counter()
         coordinator = Coordinator(cfg)
         startup_s = time.perf_counter() - start
@@ -174,6 +176,7 @@ def bench(model: str, drafter: str, ks: list[int], modes: list[str], graphs: lis
                                   measure_gpu=device != "cpu")
                 runs.append({"mode": mode, "k": k, "cuda_graphs": use_graphs, "overlap": overlap, "batch": batch,
                              "graph_first_draft": graph_first_draft and use_graphs and mode == "eagle",
+                             "prompt_lookup": cfg.prompt_lookup,
                              "startup_s": startup_s, **result})
                 bar.update()
         finally:

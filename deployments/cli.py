@@ -9,7 +9,8 @@ from pathlib import Path
 from pydantic import ValidationError
 
 
-ENGINE_FLAGS = ("model", "drafter", "num_draft_tokens", "max_batch_size", "max_model_len", "device", "dtype", "tp")
+ENGINE_FLAGS = ("model", "drafter", "num_draft_tokens", "max_batch_size", "max_model_len", "device", "dtype", "tp",
+                "prompt_lookup")
 
 
 def _engine_args(p: argparse.ArgumentParser, with_defaults: bool = True) -> None:
@@ -24,13 +25,17 @@ def _engine_args(p: argparse.ArgumentParser, with_defaults: bool = True) -> None
     p.add_argument("--dtype", default=d("auto"), choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--tp", type=int, default=d(1), help="tensor-parallel size (runs on Ray when > 1)")
     p.add_argument("--no-overlap", action="store_true", help="process each step's results before the next")
+    p.add_argument("--prompt-lookup", type=float, default=d(0.0), metavar="P",
+                   help="draft the token that followed the last three tokens earlier in the request where "
+                        "the drafter's own draft has probability below P (0: off)")
 
 
 def _engine_config(args):
     from speculative.config import EngineConfig
     return EngineConfig(model=args.model, drafter=args.drafter, num_draft_tokens=args.num_draft_tokens,
                         max_batch_size=args.max_batch_size, max_model_len=args.max_model_len,
-                        device=args.device, dtype=args.dtype, tp=args.tp, overlap=not args.no_overlap)
+                        device=args.device, dtype=args.dtype, tp=args.tp, overlap=not args.no_overlap,
+                        prompt_lookup=args.prompt_lookup)
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -167,7 +172,7 @@ def cmd_bench(args) -> None:
         runs = bench.bench(args.model, args.drafter, [int(k) for k in args.k.split(",")], args.modes.split(","),
                            on[args.cuda_graphs], on[args.overlap], [int(b) for b in args.batch.split(",")], prompts,
                            args.output_len, args.ignore_eos, args.device, args.max_model_len, args.num_prompts,
-                           graph_first_draft=args.graph_first_draft)
+                           graph_first_draft=args.graph_first_draft, prompt_lookup=args.prompt_lookup)
     finally:
         ray.shutdown()
     bench.print_table(runs)
@@ -265,6 +270,8 @@ def main(argv=None) -> None:
     b.add_argument("--overlap", choices=["on", "off", "both"], default="on")
     b.add_argument("--graph-first-draft", action="store_true",
                    help="capture each greedy decode step whole: verify + all draft forwards (default: first draft eager)")
+    b.add_argument("--prompt-lookup", type=float, default=0.0, metavar="P", help="EAGLE-3 runs with prompt lookup "
+                   "below drafter probability P (0: off)")
     b.add_argument("--output-len", type=int, default=256)
     b.add_argument("--ignore-eos", action="store_true")
     b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

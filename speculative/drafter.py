@@ -112,6 +112,11 @@ class Eagle3Drafter(nn.Module):
         draft_ids = self.lm_head(self.norm(hidden)).argmax(-1)
         return draft_ids + self.d2t[draft_ids]
 
+    def propose_scored(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm output [..., H] -> (greedy draft token [...], the drafter's probability of it [...])."""
+        probability, draft_ids = self.lm_head(self.norm(hidden)).float().softmax(-1).max(-1)
+        return draft_ids + self.d2t[draft_ids], probability
+
 
 # ---- checkpoint format ----
 

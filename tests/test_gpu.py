@@ -18,9 +18,10 @@ QUESTIONS = ["What is 2+2?", "Write a haiku about the sea.", "Name three colors.
 
 
 def _generate(drafter: str, graphs: bool, k: int = 3, check_sync: bool = False, max_tokens: int = 48,
-              max_batch_size: int = 8, graph_first_draft: bool = False):
+              max_batch_size: int = 8, graph_first_draft: bool = False, prompt_lookup: float = 0.0):
     cfg = EngineConfig(model=MODEL, drafter=drafter, num_draft_tokens=k, max_batch_size=max_batch_size, max_model_len=512,
-                       device="cuda", dtype="float32", cuda_graphs=graphs, graph_first_draft=graph_first_draft)
+                       device="cuda", dtype="float32", cuda_graphs=graphs, graph_first_draft=graph_first_draft,
+                       prompt_lookup=prompt_lookup)
     engine = LLMEngine(cfg)
     engine.executor.check_host_sync = check_sync
     prompts = [encode_prompt(engine.tokenizer, q) for q in QUESTIONS]
@@ -40,6 +41,9 @@ def test_graphs_equal_eager_and_spec_equals_plain():
     # the whole decode step (verify, first draft, draft steps 2..K) as one graph
     assert _generate(DRAFTER, graphs=True, graph_first_draft=True) == plain_eager
     assert _generate(DRAFTER, graphs=True, k=5, max_batch_size=2, graph_first_draft=True) == plain_eager
+    # prompt lookup in the chain: its token history written and read inside the graphs
+    assert _generate(DRAFTER, graphs=True, prompt_lookup=0.5) == plain_eager
+    assert _generate(DRAFTER, graphs=True, k=5, max_batch_size=2, graph_first_draft=True, prompt_lookup=0.5) == plain_eager
 
 
 def test_no_host_sync_inside_steps():
@@ -47,6 +51,7 @@ def test_no_host_sync_inside_steps():
     assert _generate(DRAFTER, graphs=True, check_sync=True, max_tokens=16) == plain
     assert _generate(DRAFTER, graphs=False, check_sync=True, max_tokens=16) == plain
     assert _generate(DRAFTER, graphs=True, check_sync=True, max_tokens=16, graph_first_draft=True) == plain
+    assert _generate(DRAFTER, graphs=False, check_sync=True, max_tokens=16, prompt_lookup=0.5) == plain
 
 
 def test_gqa_attention_equals_folded_under_cudnn():

@@ -310,3 +310,62 @@ def test_wrong_acceptance_rule_is_caught(v16_dirs, monkeypatch, wrong_rule):
     p_value = chi2_pvalue(counts, joint)
     print(f"chi-square p-value {p_value:.3g}")
     assert p_value < 1e-6
+
+
+# ---- prompt lookup in the draft chain ----
+
+def python_lookup(seq: list[int], n: int = 3):
+    """The token after the latest earlier occurrence of the last n tokens of seq, or None."""
+    tail = seq[-n:]
+    for end in range(len(seq) - 2, n - 2, -1):
+        if seq[end - n + 1:end + 1] == tail:
+            return seq[end + 1]
+    return None
+
+
+def test_lookup_finds_the_latest_earlier_occurrence():
+    from speculative.prompt_lookup import lookup
+    history = torch.tensor([[5, 6, 7, 8, 5, 6, 9, 5, 6, 0, 0, 0]] * 3)
+    found, token = lookup(history, torch.tensor([7, 4, 2]), n=2)
+    # q=7: the pair (5, 6) at positions 7-8 last occurred at 4-5, followed by 9; q=4: the pair
+    # itself at 4-5 does not count, its earlier occurrence at 0-1 is followed by 7; q=2: (7, 8) is new
+    assert found.tolist() == [True, True, False] and token[:2].tolist() == [9, 7]
+    history = torch.tensor([[1, 5, 6, 7, 2, 5, 6, 8, 1, 5, 6, 0, 0]] * 2)
+    found, token = lookup(history, torch.tensor([9, 0]), n=3)
+    assert found.tolist() == [True, False] and token[0] == 7  # (1, 5, 6), not the later (2, 5, 6)
+    seq = history[0, :11].tolist()
+    assert python_lookup(seq) == 7 and python_lookup(seq, 2) == 8
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_prompt_lookup_joining_batch(tiny_dir, tiny_drafter_dir, prompts, plain_ref, k):
+    """Drafts taken from earlier in the request change what is verified, never what is emitted."""
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=k, max_batch_size=4, prompt_lookup=1.0)
+    requests = run_to_completion(engine, prompts, GREEDY, JOINS)
+    assert [r.output_ids for r in requests] == plain_ref
+
+
+def test_prompt_lookup_drafts_follow_the_request(tiny_dir, tiny_drafter_dir, prompts):
+    """After every step, each draft in the chain is the token that followed the latest earlier
+    occurrence of the three tokens before it (prompt, emitted tokens, the chain's own earlier drafts)
+    wherever there is one: what the slot's token history must hold, through prefill, verification,
+    rejected drafts and slots reused by joining requests. (prompt_lookup 1.0: lookup wins whenever
+    it finds a match.)"""
+    K = 3
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=K, max_batch_size=3, prompt_lookup=1.0, overlap=False)
+    # repeated spans, so that lookups find something in the prompt as well as in the output
+    requests = [engine.add_request(p + p[:6] + p, GREEDY) for p in prompts]
+    checked = 0
+    while engine.has_work:
+        engine.step()
+        for r in requests:
+            if r.slot is None or r.is_finished or not r.output_ids:
+                continue
+            seq = r.prompt_ids + r.output_ids
+            for draft in engine.executor.drafts[r.slot, :K].tolist():
+                expected = python_lookup(seq)
+                if expected is not None:
+                    assert draft == expected
+                    checked += 1
+                seq = seq + [draft]
+    assert checked >= 20

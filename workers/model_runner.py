@@ -14,6 +14,7 @@ import torch
 
 from speculative.config import EngineConfig
 from speculative.plan import StepPlan
+from speculative.prompt_lookup import lookup
 from speculative.resource_manager import Eagle3ResourceManager
 from speculative.verify import ACCEPT_STREAM, SAMPLE_STREAM, sample, target_probs, uniform, verify_greedy, \
     verify_sampled
@@ -110,6 +111,9 @@ class ModelRunner:
         self.temperature = torch.zeros(n, dtype=torch.float32, device=dev)
         self.top_p = torch.ones(n, dtype=torch.float32, device=dev)
         self.top_k = torch.zeros(n, dtype=torch.long, device=dev)
+        # with prompt lookup: every slot's tokens by position (prompt, output, the chain's drafts)
+        self.history = torch.zeros(n, self.cache_len, dtype=torch.long, device=dev) \
+            if cfg.prompt_lookup > 0 and self.drafter is not None else None
         kv_bytes = self.kv_cache.nbytes + (self.draft_kv_cache.nbytes if self.draft_kv_cache is not None else 0)
         log.info("rank %d: %d request slots x %d tokens; KV cache %.1f MiB (target + drafter), "
                  "Eagle3 resource manager %.1f MiB", self.rank, self.num_slots, self.cache_len,
@@ -196,7 +200,9 @@ class ModelRunner:
         draft_ids = ids.roll(-1, dims=1).index_put((rows, lens - 1), token)
         h = self.drafter(draft_ids, features, batch, from_features=True)
         last = h[rows, lens - 1]
-        return token, last, self.drafter.propose(last)
+        self._record(slots, positions, ids)
+        self._record(slots, lens.unsqueeze(1), token.unsqueeze(1))  # after: it overwrites the padding at lens
+        return token, last, self._propose(last, slots, lens - 1)
 
     def _sample_one(self, plan, logits, slots, positions) -> torch.Tensor:
         """logits [B, 1, V] -> one token per row, the token at `positions` [B]."""
@@ -235,7 +241,7 @@ class ModelRunner:
         dbatch = self._batch(slots, positions, valid, kv_len)
         h = self.drafter(tokens, self.resources.feature_view(B, K + 1), dbatch, from_features=True)
         last = h[rows, accepted]
-        return last, self.drafter.propose(last)
+        return last, self._propose(last, slots, base + accepted)
 
     def _decode_step(self, slots: torch.Tensor, kv_len: int):
         """A whole greedy decode step as one CUDA graph (`graph_first_draft`): verify pass, first
@@ -270,6 +276,7 @@ class ModelRunner:
                                              uniform(seeds, positions + 1, SAMPLE_STREAM))
         self.last_token.index_copy_(0, slots, tokens[rows, emitted - 1])
         self.num_computed.index_copy_(0, slots, base + emitted)
+        self._record(slots, positions + 1, tokens)  # past the emitted ones: overwritten before being read
         return tokens, emitted, base
 
     def _draft_chain(self, plan: StepPlan, seeds: list[DraftSeed]) -> None:
@@ -292,10 +299,28 @@ class ModelRunner:
             hidden = self.resources.read_hidden(slots).unsqueeze(1)             # [B, 1, H]
             h = self.drafter(drafts[-1].unsqueeze(1), hidden, batch, from_features=False)[:, 0]
             self.resources.write_hidden(slots, h)
-            drafts.append(self.drafter.propose(h))
+            drafts.append(self._propose(h, slots, positions + k))
         stacked = torch.stack(drafts, dim=1)                                    # [B, K]
         self.drafts.index_copy_(0, slots, stacked)
         return (stacked,)
+
+    def _propose(self, h: torch.Tensor, slots: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """The draft from the drafter's output h [B, H] at positions q [B]. With prompt lookup, the
+        looked-up token where the drafter's own is less likely than `cfg.prompt_lookup`, recorded
+        at q+2 so that the chain's next lookups see it."""
+        if self.history is None:
+            return self.drafter.propose(h)
+        draft, probability = self.drafter.propose_scored(h)
+        found, copied = lookup(self.history[slots], q)
+        draft = torch.where(found & (probability < self.cfg.prompt_lookup), copied, draft)
+        self._record(slots, (q + 2).unsqueeze(1), draft.unsqueeze(1))
+        return draft
+
+    def _record(self, slots: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+        """With prompt lookup, history[slot, position] = token for positions and tokens [B, T]."""
+        if self.history is not None:
+            rows = slots.unsqueeze(1).expand_as(positions)
+            self.history.index_put_((rows, positions.clamp(max=self.cache_len - 1)), tokens)
 
     def capture_graphs(self) -> None:
         """CUDA graphs for greedy prefill of up to PREFILL_GRAPH_TOKENS tokens (longer prefills
