@@ -5,7 +5,7 @@ row of the batch, as training ran up to session 6, and over only the rows that c
 (target recompute, TTT forward, loss) plus backward and the optimizer. Batches are GSM8K training
 questions (chat template) with their reference answers as responses, or distilled parts with --data.
 
-    python benchmarks/train_step_speed.py --device cpu --batch-tokens 2048 --steps 6 -o FILE
+    python benchmarks/train_step_speed.py --device cpu --data DIR --batch-tokens 2048 --steps 6 -o FILE
     python benchmarks/train_step_speed.py --device cuda --data /tmp/eagle/data -o FILE  # the H200
 """
 import argparse
@@ -47,8 +47,9 @@ def gsm8k_store(model: str, path: Path) -> TokenStore:
 
 
 def every_row(lengths, prompt_lens, T, prompt_weight=0.0):
-    """Rows t < T-1 of every sequence, weight 0 where the loss reads nothing: the work before rows
-    were selected (the loss and the target's distributions over the whole padded batch)."""
+    """Rows t < T-1 of every sequence, weight 0 where the loss reads nothing: a stand-in for the
+    work before rows were selected (the distributions and the loss over the whole padded batch; the
+    old code also rolled the distributions by one position, which this leaves out)."""
     rows, row_weight = loss_rows(lengths, prompt_lens, T, prompt_weight)
     B = len(lengths)
     every = (torch.arange(B, device=rows.device)[:, None] * T + torch.arange(T - 1, device=rows.device)).flatten()
@@ -86,20 +87,21 @@ def steps_per_second(cfg, target, drafter, batch_list, device, dtype) -> tuple[f
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, default=Path("speculative/train/smollm2_135m.json"),
+                   help="the TrainConfig whose batches and TTT depth to use")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--drafter", default="speculative/drafters/smollm2-135m")
     p.add_argument("--data", type=Path, help="distilled parts (default: GSM8K train with its answers)")
     p.add_argument("--data-root", type=Path, default=DATA)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--batch-tokens", type=int, default=32768)
+    p.add_argument("--batch-tokens", type=int, help="default: the config's")
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--ttt-steps", type=int, default=5)
     p.add_argument("-o", "--output", type=Path)
     args = p.parse_args()
     device = pick_device(args.device)
     dtype = pick_dtype("auto", device)
-    cfg = TrainConfig(model=args.model, output="unused", data="unused", ttt_steps=args.ttt_steps,
-                      batch_tokens=args.batch_tokens)
+    cfg = TrainConfig(**json.loads(args.config.read_text()))
+    cfg = cfg.model_copy(update={"batch_tokens": args.batch_tokens or cfg.batch_tokens})
     store = load_data(args.data) if args.data else gsm8k_store(args.model, args.data_root / "gsm8k" / "train.jsonl.gz")
     batch_list = [collate(store, b, cfg.max_seq_len)
                   for b in batches(store, cfg.batch_tokens, cfg.max_seq_len, seed=0, epoch=0)[:args.steps]]
@@ -111,7 +113,7 @@ def main() -> None:
     for name, rows_fn in {"every row (before)": every_row, "loss rows (now)": loss_rows}.items():
         trainer.loss_rows = rows_fn  # train_step reads it at call time
         rate, peak_gb, loss = steps_per_second(cfg, target, drafter, batch_list, device, dtype)
-        results[name] = {"steps_per_s": round(rate, 3), "tokens_per_s": round(rate * args.batch_tokens),
+        results[name] = {"steps_per_s": round(rate, 3), "tokens_per_s": round(rate * cfg.batch_tokens),
                          "peak_gb": peak_gb, "first_batch_loss": round(loss, 5)}
     trainer.loss_rows = loss_rows
     read = [len(loss_rows(lengths, prompt_lens, ids.shape[1])[0]) / ids.numel()
@@ -120,7 +122,7 @@ def main() -> None:
     base = results["every row (before)"]["steps_per_s"]
     print(f"{'rows':20} {'steps/s':>8} {'vs before':>9} {'peak GB':>8} {'loss, batch 1':>13}   "
           f"({device.type}, {dtype}, "
-          f"{args.batch_tokens} tokens a batch, vocab {drafter.cfg.draft_vocab_size}, TTT {args.ttt_steps}, "
+          f"{cfg.batch_tokens} tokens a batch, vocab {drafter.cfg.draft_vocab_size}, TTT {cfg.ttt_steps}, "
           f"the loss reads {rows_share:.0%} of the rows)")
     for name, r in results.items():
         print(f"{name:20} {r['steps_per_s']:>8.3f} {r['steps_per_s'] / base:>8.2f}x {str(r['peak_gb']):>8} "

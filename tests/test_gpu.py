@@ -46,12 +46,28 @@ def test_graphs_equal_eager_and_spec_equals_plain():
     assert _generate(DRAFTER, graphs=True, k=5, max_batch_size=2, graph_first_draft=True, prompt_lookup=0.5) == plain_eager
 
 
+def test_prompt_lookup_drafts_the_same_in_graphs():
+    """Greedy output cannot show the drafts; the number of accepted drafts can. With prompt lookup
+    on, its token history is written and read inside the graphs: graphs and eager must draft alike."""
+    prompts = QUESTIONS + ["Repeat exactly: red fox, blue fox, red fox, blue fox, red fox, blue fox."]
+    runs = []
+    for graphs in (False, True):
+        cfg = EngineConfig(model=MODEL, drafter=DRAFTER, num_draft_tokens=3, max_batch_size=2, max_model_len=512,
+                           device="cuda", dtype="float32", cuda_graphs=graphs, prompt_lookup=0.8)
+        engine = LLMEngine(cfg)
+        outputs = [r.output_ids for r in engine.generate([encode_prompt(engine.tokenizer, q) for q in prompts],
+                                                         SamplingParams(max_tokens=48))]
+        runs.append((outputs, engine.scheduler.stats.num_draft_accepted))
+    assert runs[0] == runs[1]
+
+
 def test_no_host_sync_inside_steps():
     plain = _generate("none", graphs=True, max_tokens=16)
     assert _generate(DRAFTER, graphs=True, check_sync=True, max_tokens=16) == plain
     assert _generate(DRAFTER, graphs=False, check_sync=True, max_tokens=16) == plain
     assert _generate(DRAFTER, graphs=True, check_sync=True, max_tokens=16, graph_first_draft=True) == plain
     assert _generate(DRAFTER, graphs=False, check_sync=True, max_tokens=16, prompt_lookup=0.5) == plain
+    assert _generate(DRAFTER, graphs=True, check_sync=True, max_tokens=16, prompt_lookup=0.5) == plain
 
 
 def test_gqa_attention_equals_folded_under_cudnn():
@@ -83,8 +99,8 @@ def test_gqa_attention_equals_folded_under_cudnn():
 
 if __name__ == "__main__":
     results = {}
-    for test in (test_graphs_equal_eager_and_spec_equals_plain, test_no_host_sync_inside_steps,
-                 test_gqa_attention_equals_folded_under_cudnn):
+    for test in (test_graphs_equal_eager_and_spec_equals_plain, test_prompt_lookup_drafts_the_same_in_graphs,
+                 test_no_host_sync_inside_steps, test_gqa_attention_equals_folded_under_cudnn):
         try:
             test()
             results[test.__name__] = "passed"

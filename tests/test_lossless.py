@@ -350,7 +350,7 @@ def test_prompt_lookup_drafts_follow_the_request(tiny_dir, tiny_drafter_dir, pro
     occurrence of the three tokens before it (prompt, emitted tokens, the chain's own earlier drafts)
     wherever there is one: what the slot's token history must hold, through prefill, verification,
     rejected drafts and slots reused by joining requests. (prompt_lookup 1.0: lookup wins whenever
-    it finds a match.)"""
+    it finds a match, as the random drafter's probability of its draft is far below 1.)"""
     K = 3
     engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=K, max_batch_size=3, prompt_lookup=1.0, overlap=False)
     # repeated spans, so that lookups find something in the prompt as well as in the output

@@ -83,6 +83,44 @@ def test_ttt_loss_weighs_prompt_positions():
     assert (rows % T).tolist() == list(range(5, 10)) + list(range(3, 8))
 
 
+def old_ttt_loss(logits, target_probs, is_in_draft, lengths, prompt_lens, decay, prompt_weight):
+    """The loss as it was defined up to session 6, over every row of the padded batch: the reference."""
+    B, T, _ = target_probs.shape
+    t = torch.arange(T).view(1, T)
+    probs_next = target_probs.roll(-1, dims=1)
+    usable = (t + 2 <= lengths.view(B, 1) - 1) & is_in_draft.roll(-1, dims=1)
+    is_response = t + 1 >= prompt_lens.view(B, 1)
+    weight = (usable & is_response).float() + prompt_weight * (usable & ~is_response).float()
+    total, accuracies = 0.0, []
+    for depth, depth_logits in enumerate(logits):
+        w = weight * (t >= depth)
+        count = (w > 0).float().sum().clamp(min=1)
+        ce = -(probs_next * torch.log_softmax(depth_logits.float(), dim=-1)).sum(-1)
+        total = total + decay ** depth * (ce * w).sum() / count
+        accuracies.append(((depth_logits.argmax(-1) == probs_next.argmax(-1)).float() * (w > 0)).sum() / count)
+    return total, torch.stack(accuracies)
+
+
+@pytest.mark.parametrize("prompt_weight", [0.0, 0.3])
+def test_loss_on_selected_rows_equals_loss_over_every_row(prompt_weight):
+    """The loss read at `loss_rows` only (the target's distributions taken at rows + 1) equals the
+    loss over the whole padded batch with the target's distributions rolled by one position."""
+    torch.manual_seed(2)
+    B, T, V, depths = 3, 16, 11, 4
+    lengths, prompt_lens = torch.tensor([16, 9, 12]), torch.tensor([5, 9, 3])  # one row is prompt only
+    logits = [torch.randn(B, T, V) for _ in range(depths)]
+    probs = torch.softmax(2 * torch.randn(B, T, V), -1)
+    is_in_draft = torch.rand(B, T) > 0.2
+    ref_loss, ref_acc = old_ttt_loss(logits, probs, is_in_draft, lengths, prompt_lens, 0.8, prompt_weight)
+    rows, row_weight = loss_rows(lengths, prompt_lens, T, prompt_weight)
+    identity_head = lambda h: h  # noqa: E731  (the hiddens are the logits)
+    loss, acc = ttt_loss(logits, identity_head, probs.flatten(0, 1)[rows + 1], is_in_draft.flatten()[rows + 1],
+                         rows, row_weight, 0.8)
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(acc, ref_acc)
+    assert ref_acc.max() > 0 and ref_loss > 0
+
+
 def test_distillation_keeps_undistilled_prompts(tmp_path):
     """With keep_undistilled_prompts, prompts past num_prompts become response-free sequences."""
     model = tiny_target(tmp_path / "target")
@@ -215,6 +253,35 @@ def test_train_step_ignores_padding(tmp_path):
     assert padded_batch[0].shape[1] == 64
     torch.testing.assert_close(padded[0], exact[0])
     torch.testing.assert_close(padded[1], exact[1])
+
+
+def test_train_step_equals_loss_over_every_row(tmp_path):
+    """`train_step` (distributions and heads on the loss rows only) gives what the whole-batch
+    definition gives on the same batch: the target's distributions at t+1, the masks, the heads."""
+    from speculative.train.target import target_draft_probs, target_features
+    from speculative.train.ttt import ttt_forward
+    target = load_target(str(tiny_target(tmp_path / "target")), torch.device("cpu"), torch.float32)
+    seqs = [torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (37, 21, 50)]
+    store = TokenStore.from_lists(seqs, [5, 21, 9])  # the second is prompt only
+    # the whole vocabulary is draftable: with a few draft tokens, the random target's argmax would
+    # almost never be one, and almost no row would count
+    vocab = target.cfg.vocab_size
+    cfg = TrainConfig(model="unused", output="unused", data="unused", draft_vocab_size=vocab, ttt_steps=3,
+                      device="cpu", prompt_loss_weight=0.3)
+    drafter = init_drafter(cfg, target, store, tmp_path / "drafter")
+    draft_to_target = torch.arange(vocab) + drafter.d2t
+    batch = collate(store, [0, 1, 2], 64)
+    with torch.no_grad():
+        loss, accuracy = train_step(cfg, target, drafter, draft_to_target, batch, torch.device("cpu"), torch.float32)
+        ids, lengths, prompt_lens = batch
+        hidden, aux = target_features(target, ids)
+        probs, is_in_draft = target_draft_probs(target, hidden.flatten(0, 1), draft_to_target)
+        logits = [drafter.lm_head(h) for h in ttt_forward(drafter, ids, aux, cfg.ttt_steps)]
+        ref_loss, ref_accuracy = old_ttt_loss(logits, probs.view(*ids.shape, -1), is_in_draft.view(ids.shape),
+                                              lengths, prompt_lens, cfg.step_decay, cfg.prompt_loss_weight)
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(accuracy, ref_accuracy)
+    assert ref_loss > 1
 
 
 def tiny_target(path):

@@ -62,7 +62,7 @@ def loss_rows(lengths: torch.Tensor, prompt_lens: torch.Tensor, T: int, prompt_w
     """The rows t of a [B, T] batch that the loss reads, as flat indices, and their weights: rows
     where x[t+2] exists, weighing 1 where x[t+1] is a response token and `prompt_weight` inside the
     prompt (the prompt is the target's context, not its output, but it is data the drafter otherwise
-    never learns from). Prompt rows and padding are about half of a batch: the loss skips them."""
+    never learns from). Prompt rows and padding, often most of a batch, are skipped."""
     B = len(lengths)
     t = torch.arange(T, device=lengths.device).view(1, T)
     exists = t + 2 <= lengths.view(B, 1) - 1
