@@ -38,14 +38,17 @@ from speculative.train.trainer import train_step  # noqa: E402
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-def training_prompts(data_root: Path, n: int, chars: tuple[int, int]) -> tuple[list[str], list[str]]:
-    """(first n, last n) prompts whose length in characters is within `chars`, in the default
-    distillation order."""
+def training_order(data_root: Path) -> list[str]:
+    """The training prompts in the default distillation order."""
     files = sorted(str(f) for f in (data_root / "train_prompts").glob("*.jsonl.gz")) + \
         [str(data_root / "gsm8k" / "train.jsonl.gz")]
-    order = [t for t in prompt_order(read_prompts(files), DistillConfig(prompt_files=files))
-             if chars[0] <= len(t) <= chars[1]]
-    return order[:n], order[-n:]
+    return prompt_order(read_prompts(files), DistillConfig(prompt_files=files))
+
+
+def first_and_last(order: list[str], n: int, chars: tuple[int, int]) -> tuple[list[str], list[str]]:
+    """(first n, last n) prompts of `order` whose length in characters is within `chars`."""
+    kept = [t for t in order if chars[0] <= len(t) <= chars[1]]
+    return kept[:n], kept[-n:]
 
 
 def misses(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[Counter, list]:
@@ -114,10 +117,10 @@ def main(argv=None) -> None:
                                     max_batch_size=args.num_prompts, device=args.device, overlap=False,
                                     prompt_lookup=args.prompt_lookup))
     sets = {name.removeprefix("eagle_"): texts for name, texts in load_sets(args.data_root, 0).items()}
-    sets["train_seen"], sets["train_unseen"] = training_prompts(args.data_root, args.num_prompts, (0, 1500))
+    order = training_order(args.data_root)
+    sets["train_seen"], sets["train_unseen"] = first_and_last(order, args.num_prompts, (0, 1500))
     # long inputs (~500-1500 tokens), like the sum set's articles; 3% of the training prompts
-    sets["train_long_seen"], sets["train_long_unseen"] = training_prompts(args.data_root, args.num_prompts,
-                                                                          (2000, 5000))
+    sets["train_long_seen"], sets["train_long_unseen"] = first_and_last(order, args.num_prompts, (2000, 5000))
     results = {}
     for name in tqdm(args.sets, desc="sets"):
         prompts = [encode_prompt(engine.tokenizer, q) for q in sets[name][:args.num_prompts]]

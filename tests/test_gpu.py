@@ -17,15 +17,22 @@ QUESTIONS = ["What is 2+2?", "Write a haiku about the sea.", "Name three colors.
              "What is the capital of Japan?"]
 
 
-def _generate(drafter: str, graphs: bool, k: int = 3, check_sync: bool = False, max_tokens: int = 48,
-              max_batch_size: int = 8, graph_first_draft: bool = False, prompt_lookup: float = 0.0):
+def _run(drafter: str, graphs: bool, k: int = 3, check_sync: bool = False, max_tokens: int = 48,
+         max_batch_size: int = 8, graph_first_draft: bool = False, prompt_lookup: float = 0.0,
+         questions: list[str] = QUESTIONS):
+    """-> (output ids per question, the engine's number of accepted drafts)."""
     cfg = EngineConfig(model=MODEL, drafter=drafter, num_draft_tokens=k, max_batch_size=max_batch_size, max_model_len=512,
                        device="cuda", dtype="float32", cuda_graphs=graphs, graph_first_draft=graph_first_draft,
                        prompt_lookup=prompt_lookup)
     engine = LLMEngine(cfg)
     engine.executor.check_host_sync = check_sync
-    prompts = [encode_prompt(engine.tokenizer, q) for q in QUESTIONS]
-    return [r.output_ids for r in engine.generate(prompts, SamplingParams(max_tokens=max_tokens))]
+    prompts = [encode_prompt(engine.tokenizer, q) for q in questions]
+    outputs = [r.output_ids for r in engine.generate(prompts, SamplingParams(max_tokens=max_tokens))]
+    return outputs, engine.scheduler.stats.num_draft_accepted
+
+
+def _generate(*args, **kwargs) -> list[list[int]]:
+    return _run(*args, **kwargs)[0]
 
 
 def test_graphs_equal_eager_and_spec_equals_plain():
@@ -49,16 +56,9 @@ def test_graphs_equal_eager_and_spec_equals_plain():
 def test_prompt_lookup_drafts_the_same_in_graphs():
     """Greedy output cannot show the drafts; the number of accepted drafts can. With prompt lookup
     on, its token history is written and read inside the graphs: graphs and eager must draft alike."""
-    prompts = QUESTIONS + ["Repeat exactly: red fox, blue fox, red fox, blue fox, red fox, blue fox."]
-    runs = []
-    for graphs in (False, True):
-        cfg = EngineConfig(model=MODEL, drafter=DRAFTER, num_draft_tokens=3, max_batch_size=2, max_model_len=512,
-                           device="cuda", dtype="float32", cuda_graphs=graphs, prompt_lookup=0.8)
-        engine = LLMEngine(cfg)
-        outputs = [r.output_ids for r in engine.generate([encode_prompt(engine.tokenizer, q) for q in prompts],
-                                                         SamplingParams(max_tokens=48))]
-        runs.append((outputs, engine.scheduler.stats.num_draft_accepted))
-    assert runs[0] == runs[1]
+    questions = QUESTIONS + ["Repeat exactly: red fox, blue fox, red fox, blue fox, red fox, blue fox."]
+    eager = _run(DRAFTER, graphs=False, max_batch_size=2, prompt_lookup=0.8, questions=questions)
+    assert _run(DRAFTER, graphs=True, max_batch_size=2, prompt_lookup=0.8, questions=questions) == eager
 
 
 def test_no_host_sync_inside_steps():

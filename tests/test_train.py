@@ -56,6 +56,11 @@ def test_prompt_order_puts_long_prompts_first():
     assert [t for t in plain if len(t) < 20] == long_first[4:]
 
 
+def identity_head(h: torch.Tensor) -> torch.Tensor:
+    """An LM head for tests whose drafter hiddens are the logits themselves."""
+    return h
+
+
 def test_ttt_loss_weighs_prompt_positions():
     """Rows whose next token is in the prompt count only with prompt_weight > 0, scaled by it."""
     torch.manual_seed(0)
@@ -69,7 +74,6 @@ def test_ttt_loss_weighs_prompt_positions():
     def loss(hiddens, lengths, prompt_lens, prompt_weight=0.0):
         rows, row_weight = loss_rows(torch.tensor(lengths), torch.tensor(prompt_lens), T, prompt_weight)
         probs = probs_all[rows + 1]
-        identity_head = lambda h: h  # noqa: E731  (the hiddens are the logits)
         return ttt_loss(hiddens, identity_head, probs, torch.ones(len(rows)), rows, row_weight, 0.8)[0]
 
     assert torch.equal(loss(hiddens, [12, 10], [6, 4]), loss(changed, [12, 10], [6, 4]))
@@ -113,7 +117,6 @@ def test_loss_on_selected_rows_equals_loss_over_every_row(prompt_weight):
     is_in_draft = torch.rand(B, T) > 0.2
     ref_loss, ref_acc = old_ttt_loss(logits, probs, is_in_draft, lengths, prompt_lens, 0.8, prompt_weight)
     rows, row_weight = loss_rows(lengths, prompt_lens, T, prompt_weight)
-    identity_head = lambda h: h  # noqa: E731  (the hiddens are the logits)
     loss, acc = ttt_loss(logits, identity_head, probs.flatten(0, 1)[rows + 1], is_in_draft.flatten()[rows + 1],
                          rows, row_weight, 0.8)
     torch.testing.assert_close(loss, ref_loss)
