@@ -18,13 +18,14 @@ from speculative.engine import LLMEngine, encode_prompt  # noqa: E402
 EAGLE_SETS = ("gsm8k", "alpaca", "sum", "qa")
 
 
-def load_sets(data_root: Path, num_gsm8k_test: int) -> dict[str, list[str]]:
+def load_sets(data_root: Path, num_gsm8k_test: int, names=EAGLE_SETS) -> dict[str, list[str]]:
     sets = {}
-    for name in EAGLE_SETS:
+    for name in (n for n in names if n in EAGLE_SETS):
         rows = [json.loads(line) for line in (data_root / "eagle_bench" / name / "question.jsonl").open()]
         sets[f"eagle_{name}"] = [row["turns"][0] for row in rows]
-    rows = [json.loads(line) for line in (data_root / "gsm8k" / "test.jsonl").open() if line.strip()]
-    sets["gsm8k_test"] = [row["question"] for row in rows[:num_gsm8k_test]]
+    if num_gsm8k_test:
+        rows = [json.loads(line) for line in (data_root / "gsm8k" / "test.jsonl").open() if line.strip()]
+        sets["gsm8k_test"] = [row["question"] for row in rows[:num_gsm8k_test]]
     return sets
 
 
@@ -48,13 +49,14 @@ def main(argv=None) -> None:
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--max-batch-size", type=int, default=64)
-    p.add_argument("--num-gsm8k-test", type=int, default=200)
+    p.add_argument("--sets", nargs="+", default=list(EAGLE_SETS), choices=EAGLE_SETS, help="EAGLE sets to run")
+    p.add_argument("--num-gsm8k-test", type=int, default=200, help="GSM8K test questions (0: none)")
     p.add_argument("--data-root", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--prompt-lookup", type=float, default=0.0, help="EngineConfig.prompt_lookup (0: off)")
     p.add_argument("--output", type=Path, help="results JSON")
     args = p.parse_args(argv)
-    sets = load_sets(args.data_root, args.num_gsm8k_test)
+    sets = load_sets(args.data_root, args.num_gsm8k_test, args.sets)
     results = []
     for k in args.k:
         # the runner pads a prefill batch to its longest prompt, so budget for the padded size

@@ -186,13 +186,13 @@ def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
     return out / out.sum(-1, keepdim=True)
 
 
-def exact_joint(model_dir, temperature, top_k, top_p):
+def exact_joint(model_dir, temperature, top_k, top_p, prompt=PROMPT):
     """P(t1, t2, t3) [V, V, V] and the conditionals, from a Hugging Face forward of every prefix."""
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 
     def next_probs(prefixes):
-        ids = torch.tensor([PROMPT + p for p in prefixes])
+        ids = torch.tensor([prompt + p for p in prefixes])
         with torch.no_grad():
             return reference_probs(hf(ids).logits[:, -1], temperature, top_k, top_p)
 
@@ -219,12 +219,16 @@ def oracle_drafts(conditionals, history: list[int], k: int) -> list[int]:
     return drafts
 
 
-def sample_first_three(engine, params: SamplingParams, conditionals=None) -> torch.Tensor:
-    """NUM_SAMPLES requests of the same prompt with seeds 0.. -> counts of (t1, t2, t3) [V, V, V]."""
+def sample_first_three(engine, params: SamplingParams, conditionals=None, prompt=PROMPT,
+                       after_step=None) -> torch.Tensor:
+    """NUM_SAMPLES requests of the same prompt with seeds 0.. -> counts of (t1, t2, t3) [V, V, V].
+    after_step(requests) runs after every step."""
     runner, K = engine.executor, engine.executor.K
-    requests = [engine.add_request(PROMPT, params.model_copy(update={"seed": s})) for s in range(NUM_SAMPLES)]
+    requests = [engine.add_request(prompt, params.model_copy(update={"seed": s})) for s in range(NUM_SAMPLES)]
     while engine.has_work:
         engine.step()
+        if after_step is not None:
+            after_step(requests)
         if conditionals is not None:
             live = [r for r in engine.scheduler.running.values() if not r.is_finished and r.slot is not None]
             if live:
@@ -257,10 +261,10 @@ SAMPLING = {"t1": SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
             "t0.7-topk5-topp0.9": SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=3, ignore_eos=True)}
 
 
-def _engine(dirs, drafter: bool, k: int):
+def _engine(dirs, drafter: bool, k: int, prompt_lookup: float = 0.0):
     target, drafter_dir = dirs
     return tiny_engine(target, drafter_dir if drafter else "none", k=k, max_batch_size=500,
-                       max_model_len=32, max_num_batched_tokens=4096, overlap=False)
+                       max_model_len=32, max_num_batched_tokens=4096, overlap=False, prompt_lookup=prompt_lookup)
 
 
 @pytest.mark.parametrize("params_name, drafts, k", [
@@ -335,6 +339,37 @@ def test_lookup_finds_the_latest_earlier_occurrence():
     assert found.tolist() == [True, False] and token[0] == 7  # (1, 5, 6), not the later (2, 5, 6)
     seq = history[0, :11].tolist()
     assert python_lookup(seq) == 7 and python_lookup(seq, 2) == 8
+
+
+def test_sampled_distribution_with_prompt_lookup(v16_dirs):
+    """Looked-up drafts depend on sampled tokens (the history), yet the output keeps the target's
+    distribution. The prompt repeats itself, and its likeliest first token (p 0.77) continues the
+    repeat, so most chains are looked up (each checked against the plain-Python lookup; with three
+    tokens a request has too few steps to catch an unrecorded token: the greedy test below holds
+    the recording)."""
+    prompt, K = [3, 1, 2, 7, 3, 1, 13, 9, 3, 1, 2, 7, 3, 1], 3
+    params = SAMPLING["t1"]
+    joint, _ = exact_joint(v16_dirs[0], params.temperature, params.top_k, params.top_p, prompt)
+    engine = _engine(v16_dirs, True, K, prompt_lookup=1.0)
+    looked_up = []
+
+    def check_drafts(requests):
+        for r in requests:
+            if r.slot is None or r.is_finished or not r.output_ids:
+                continue
+            seq = r.prompt_ids + r.output_ids
+            for draft in engine.executor.drafts[r.slot, :K].tolist():
+                expected = python_lookup(seq)
+                if expected is not None:
+                    assert draft == expected
+                    looked_up.append(draft)
+                seq = seq + [draft]
+
+    counts = sample_first_three(engine, params, prompt=prompt, after_step=check_drafts)
+    p_value = chi2_pvalue(counts, joint)
+    print(f"chi-square p-value {p_value:.3g}, {len(looked_up)} looked-up drafts")
+    assert p_value > 1e-3
+    assert len(looked_up) > NUM_SAMPLES // 10
 
 
 @pytest.mark.parametrize("k", [1, 3])
