@@ -327,6 +327,24 @@ def python_lookup(seq: list[int], n: int = 3):
     return None
 
 
+def check_looked_up_drafts(engine, requests) -> int:
+    """Each running request's chain drafts against the plain-Python lookup over its tokens and the
+    drafts before it, wherever that finds a match (prompt_lookup 1.0: lookup then always wins, as a
+    random drafter's probability of its own draft is far below 1). -> the number checked."""
+    checked = 0
+    for r in requests:
+        if r.slot is None or r.is_finished or not r.output_ids:
+            continue
+        seq = r.prompt_ids + r.output_ids
+        for draft in engine.executor.drafts[r.slot, :engine.executor.K].tolist():
+            expected = python_lookup(seq)
+            if expected is not None:
+                assert draft == expected
+                checked += 1
+            seq = seq + [draft]
+    return checked
+
+
 def test_lookup_finds_the_latest_earlier_occurrence():
     from speculative.prompt_lookup import lookup
     history = torch.tensor([[5, 6, 7, 8, 5, 6, 9, 5, 6, 0, 0, 0]] * 3)
@@ -351,25 +369,13 @@ def test_sampled_distribution_with_prompt_lookup(v16_dirs):
     params = SAMPLING["t1"]
     joint, _ = exact_joint(v16_dirs[0], params.temperature, params.top_k, params.top_p, prompt)
     engine = _engine(v16_dirs, True, K, prompt_lookup=1.0)
-    looked_up = []
-
-    def check_drafts(requests):
-        for r in requests:
-            if r.slot is None or r.is_finished or not r.output_ids:
-                continue
-            seq = r.prompt_ids + r.output_ids
-            for draft in engine.executor.drafts[r.slot, :K].tolist():
-                expected = python_lookup(seq)
-                if expected is not None:
-                    assert draft == expected
-                    looked_up.append(draft)
-                seq = seq + [draft]
-
-    counts = sample_first_three(engine, params, prompt=prompt, after_step=check_drafts)
+    checked = []
+    counts = sample_first_three(engine, params, prompt=prompt,
+                                after_step=lambda requests: checked.append(check_looked_up_drafts(engine, requests)))
     p_value = chi2_pvalue(counts, joint)
-    print(f"chi-square p-value {p_value:.3g}, {len(looked_up)} looked-up drafts")
+    print(f"chi-square p-value {p_value:.3g}, {sum(checked)} looked-up drafts")
     assert p_value > 1e-3
-    assert len(looked_up) > NUM_SAMPLES // 10
+    assert sum(checked) > NUM_SAMPLES // 10
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -384,8 +390,7 @@ def test_prompt_lookup_drafts_follow_the_request(tiny_dir, tiny_drafter_dir, pro
     """After every step, each draft in the chain is the token that followed the latest earlier
     occurrence of the three tokens before it (prompt, emitted tokens, the chain's own earlier drafts)
     wherever there is one: what the slot's token history must hold, through prefill, verification,
-    rejected drafts and slots reused by joining requests. (prompt_lookup 1.0: lookup wins whenever
-    it finds a match, as the random drafter's probability of its draft is far below 1.)"""
+    rejected drafts and slots reused by joining requests."""
     K = 3
     engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=K, max_batch_size=3, prompt_lookup=1.0, overlap=False)
     # repeated spans, so that lookups find something in the prompt as well as in the output
@@ -393,14 +398,5 @@ def test_prompt_lookup_drafts_follow_the_request(tiny_dir, tiny_drafter_dir, pro
     checked = 0
     while engine.has_work:
         engine.step()
-        for r in requests:
-            if r.slot is None or r.is_finished or not r.output_ids:
-                continue
-            seq = r.prompt_ids + r.output_ids
-            for draft in engine.executor.drafts[r.slot, :K].tolist():
-                expected = python_lookup(seq)
-                if expected is not None:
-                    assert draft == expected
-                    checked += 1
-                seq = seq + [draft]
+        checked += check_looked_up_drafts(engine, requests)
     assert checked >= 20
