@@ -318,7 +318,7 @@ def test_wrong_acceptance_rule_is_caught(v16_dirs, monkeypatch, wrong_rule):
 
 # ---- prompt lookup in the draft chain ----
 
-def python_lookup(seq: list[int], n: int = 3):
+def python_lookup(seq: list[int], n: int = 4):
     """The token after the latest earlier occurrence of the last n tokens of seq, or None."""
     tail = seq[-n:]
     for end in range(len(seq) - 2, n - 2, -1):
@@ -356,7 +356,7 @@ def test_lookup_finds_the_latest_earlier_occurrence():
     found, token = lookup(history, torch.tensor([9, 0]), n=3)
     assert found.tolist() == [True, False] and token[0] == 7  # (1, 5, 6), not the later (2, 5, 6)
     seq = history[0, :11].tolist()
-    assert python_lookup(seq) == 7 and python_lookup(seq, 2) == 8
+    assert python_lookup(seq, 3) == 7 and python_lookup(seq, 2) == 8
 
 
 def test_sampled_distribution_with_prompt_lookup(v16_dirs):
@@ -388,15 +388,18 @@ def test_greedy_prompt_lookup_joining_batch(tiny_dir, tiny_drafter_dir, prompts,
 
 def test_prompt_lookup_drafts_follow_the_request(tiny_dir, tiny_drafter_dir, prompts):
     """After every step, each draft in the chain is the token that followed the latest earlier
-    occurrence of the three tokens before it (prompt, emitted tokens, the chain's own earlier drafts)
+    occurrence of the four tokens before it (prompt, emitted tokens, the chain's own earlier drafts)
     wherever there is one: what the slot's token history must hold, through prefill, verification,
     rejected drafts and slots reused by joining requests."""
     K = 3
     engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=K, max_batch_size=3, prompt_lookup=1.0, overlap=False)
-    # repeated spans, so that lookups find something in the prompt as well as in the output
-    requests = [engine.add_request(p + p[:6] + p, GREEDY) for p in prompts]
+    # repeated spans, so that lookups find something in the prompt as well as in the output (where
+    # the random target's greedy output falls into loops, more of them the longer it runs)
+    long_greedy = GREEDY.model_copy(update={"max_tokens": 120})
+    requests = [engine.add_request(p + p[:6] + p, long_greedy) for p in prompts]
     checked = 0
     while engine.has_work:
         engine.step()
         checked += check_looked_up_drafts(engine, requests)
-    assert checked >= 20
+    print(f"{checked} looked-up drafts")
+    assert checked >= 10
