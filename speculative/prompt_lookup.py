@@ -4,7 +4,8 @@ request (prompt, output, and the chain's own drafts so far). Summaries, edits an
 from the question repeat spans of the input that the one-layer drafter misses. Four tokens, not
 three: on 40 GSM8K prompts three-token matches cost 0.06 of acceptance length and four 0.01, for
 about the same gain on sum (BENCHMARKS.md, "Prompt lookup in the draft chain"). Fixed shapes and
-device tensors only, so it runs inside the CUDA graphs; verification is unchanged, so the output is still exactly the target's."""
+device tensors only, so it runs inside the CUDA graphs; verification is unchanged, so the output
+is still exactly the target's."""
 import torch
 
 
