@@ -20,7 +20,7 @@ EAGLE_SETS = ("gsm8k", "alpaca", "sum", "qa")
 
 def load_sets(data_root: Path, num_gsm8k_test: int, names=EAGLE_SETS) -> dict[str, list[str]]:
     sets = {}
-    for name in (n for n in names if n in EAGLE_SETS):
+    for name in names:
         rows = [json.loads(line) for line in (data_root / "eagle_bench" / name / "question.jsonl").open()]
         sets[f"eagle_{name}"] = [row["turns"][0] for row in rows]
     if num_gsm8k_test:
@@ -77,7 +77,8 @@ def main(argv=None) -> None:
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps({"model": args.model, "drafter": args.drafter,
-                                           "max_tokens": args.max_tokens, "results": results}, indent=2))
+                                           "max_tokens": args.max_tokens, "prompt_lookup": args.prompt_lookup,
+                                           "results": results}, indent=2))
 
 
 def print_table(results: list[dict]) -> None:

@@ -361,11 +361,11 @@ def test_lookup_finds_the_latest_earlier_occurrence():
 
 def test_sampled_distribution_with_prompt_lookup(v16_dirs):
     """Looked-up drafts depend on sampled tokens (the history), yet the output keeps the target's
-    distribution. The prompt repeats itself, and its likeliest first token (p 0.77) continues the
-    repeat, so most chains are looked up (each checked against the plain-Python lookup; with three
-    tokens a request has too few steps to catch an unrecorded token: the greedy test below holds
-    the recording)."""
-    prompt, K = [3, 1, 2, 7, 3, 1, 13, 9, 3, 1, 2, 7, 3, 1], 3
+    distribution. The prompt repeats itself, and its likeliest first token (p 0.75) continues the
+    repeat by four tokens, so most chains are looked up; each looked-up draft is checked against the
+    plain-Python lookup. (A request of three tokens runs too few steps to catch an unrecorded token:
+    the greedy test below holds the recording.)"""
+    prompt, K = [3, 1, 2, 7, 3, 1, 13, 9] * 2 + [3, 1], 3
     params = SAMPLING["t1"]
     joint, _ = exact_joint(v16_dirs[0], params.temperature, params.top_k, params.top_p, prompt)
     engine = _engine(v16_dirs, True, K, prompt_lookup=1.0)
@@ -375,7 +375,7 @@ def test_sampled_distribution_with_prompt_lookup(v16_dirs):
     p_value = chi2_pvalue(counts, joint)
     print(f"chi-square p-value {p_value:.3g}, {sum(checked)} looked-up drafts")
     assert p_value > 1e-3
-    assert sum(checked) > NUM_SAMPLES // 10
+    assert sum(checked) > NUM_SAMPLES
 
 
 @pytest.mark.parametrize("k", [1, 3])
