@@ -120,8 +120,8 @@ class RayExecutor:
                 raise EngineDeadError(f"no result for step {step_id} within {self.result_timeout_s:.0f} s")
         result = pickle.loads(self.results.recv())
         self.timings.wait_s += time.perf_counter() - start
-        if isinstance(result, StepFailed):
-            raise EngineDeadError(str(result))
+        if isinstance(result, StepFailed):  # also how a dead peer shows first: rank 0's collective fails
+            raise EngineDeadError(f"tensor-parallel group failed at step {step_id}: {result}")
         assert result.step_id == step_id, f"result of step {result.step_id} while waiting for {step_id}"
         self.timings.execute_s += result.execute_s
         if self.trace is not None and step_id in self.sent_at:
