@@ -4,7 +4,8 @@
 #               return the new data parts in $OUT/data
 #   train       train and export (distilling first when no data is there; TRAIN_S overrides the
 #               config's training time limit; INIT_FROM=DIR starts from that drafter, e.g. the
-#               committed one, instead of a fresh one; RESUME=1 continues the checkpoint that an
+#               committed one, or the fp32 checkpoint of an earlier job: INIT_FROM=/tmp/eagle/drafter.ckpt
+#               DRAFTER_OUT=/tmp/eagle/drafter2, instead of a fresh one; RESUME=1 continues the checkpoint that an
 #               earlier train job left on a warm machine, which is otherwise removed)
 #   acceptance  measure the drafter's acceptance
 #   stepspeed   training steps/s with the loss over every row against the loss rows only
@@ -23,7 +24,7 @@ DATA=/tmp/eagle/data
 PARTS=${*:-train acceptance}
 mkdir -p $DATA "$OUT/drafter"
 cp -n .device/distilled/part-*.safetensors $DATA/ 2>/dev/null
-TRAIN="python3 -m deployments.cli -v train-drafter --config $CONFIG --data $DATA"
+TRAIN="python3 -m deployments.cli -v train-drafter --config $CONFIG --data $DATA -o $DRAFTER"
 if [[ " $PARTS " == *" distill "* ]]; then
     before=$(ls $DATA/part-*.safetensors 2>/dev/null | wc -l)
     $TRAIN --distill-only --distill-time-limit ${DISTILL_S:-420} 2>&1 | grep -v "^\s*$" | tail -c 2000
