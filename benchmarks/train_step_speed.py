@@ -106,7 +106,8 @@ def main() -> None:
     batch_list = [collate(store, b, cfg.max_seq_len)
                   for b in batches(store, cfg.batch_tokens, cfg.max_seq_len, seed=0, epoch=0)[:args.steps]]
     target = load_target(args.model, device, dtype)
-    drafter = load_drafter(Path(args.drafter), target_embeddings=target.embed_tokens).to(device, torch.float32)
+    # .to(device) only, as the trainer does: a dtype would also cast the embeddings it shares with the target
+    drafter = load_drafter(Path(args.drafter), target_embeddings=target.embed_tokens).to(device)
     for n, param in drafter.named_parameters():
         param.requires_grad_(not n.startswith("embed_tokens"))
     results = {}
