@@ -4,7 +4,7 @@ same engine and prompts. A rule replaces `ModelRunner._propose`; everything else
 
 Rules (`name:params`):
   off             the drafter alone
-  p:P:N           the engine's rule (N=4): the looked-up token (match of N tokens) where the
+  p:P:N           the engine's rule (N=5): the looked-up token (match of N tokens) where the
                   drafter's own draft has probability below P
   boost:A:N       the looked-up token where the drafter gives it at least 1/A of its own draft's
                   probability (A=1: only where it is the drafter's own draft too; a token outside the

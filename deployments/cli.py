@@ -26,7 +26,7 @@ def _engine_args(p: argparse.ArgumentParser, with_defaults: bool = True) -> None
     p.add_argument("--tp", type=int, default=d(1), help="tensor-parallel size (runs on Ray when > 1)")
     p.add_argument("--no-overlap", action="store_true", help="process each step's results before the next")
     p.add_argument("--prompt-lookup", type=float, default=d(0.0), metavar="P",
-                   help="draft the token that followed the last four tokens earlier in the request where "
+                   help="draft the token that followed the last five tokens earlier in the request where "
                         "the drafter's own draft has probability below P (0: off)")
 
 

@@ -54,7 +54,7 @@ class EngineConfig(BaseModel):
     cuda_graphs: bool = True
     graph_first_draft: bool = False                   # one graph per greedy decode step: verify + all drafts
     # prompt lookup in the draft chain (speculative/prompt_lookup.py): where the drafter's own draft
-    # has probability below this, draft the token that followed the last four tokens earlier in
+    # has probability below this, draft the token that followed the last five tokens earlier in
     # the request instead. 0: off
     prompt_lookup: float = Field(0.0, ge=0.0, le=1.0)
     seed: int = 0                                     # seeds requests that bring none

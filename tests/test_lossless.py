@@ -318,7 +318,7 @@ def test_wrong_acceptance_rule_is_caught(v16_dirs, monkeypatch, wrong_rule):
 
 # ---- prompt lookup in the draft chain ----
 
-def python_lookup(seq: list[int], n: int = 4):
+def python_lookup(seq: list[int], n: int = 5):
     """The token after the latest earlier occurrence of the last n tokens of seq, or None."""
     tail = seq[-n:]
     for end in range(len(seq) - 2, n - 2, -1):
@@ -388,7 +388,7 @@ def test_greedy_prompt_lookup_joining_batch(tiny_dir, tiny_drafter_dir, prompts,
 
 def test_prompt_lookup_drafts_follow_the_request(tiny_dir, tiny_drafter_dir, prompts):
     """After every step, each draft in the chain is the token that followed the latest earlier
-    occurrence of the four tokens before it (prompt, emitted tokens, the chain's own earlier drafts)
+    occurrence of the five tokens before it (prompt, emitted tokens, the chain's own earlier drafts)
     wherever there is one: what the slot's token history must hold, through prefill, verification,
     rejected drafts and slots reused by joining requests."""
     K = 3
