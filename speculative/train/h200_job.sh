@@ -12,8 +12,9 @@
 #               (benchmarks/train_step_speed.py on the staged data)
 #   stage       nothing but the copy of carried parts into /tmp/eagle/data, which every call does
 #               first: a call of its own when the parts and .device/data exceed one call's carry
-# Data parts travel between jobs in .device/distilled: copy them there from $OUT/data and carry
-# that folder. Run from the repo root after the .device bundles are staged (see README in
+# Data parts travel between jobs in .device/distilled (and distilled2, ... once one call's carry is
+# full): copy them there from $OUT/data and carry each folder, one call per folder. Run from the
+# repo root after the .device bundles are staged (see README in
 # speculative/drafters/smollm2-135m). Writes the drafter, logs and results under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=15
@@ -23,7 +24,7 @@ DRAFTER=${DRAFTER_OUT:-/tmp/eagle/drafter}
 DATA=/tmp/eagle/data
 PARTS=${*:-train acceptance}
 mkdir -p $DATA "$OUT/drafter"
-cp -n .device/distilled/part-*.safetensors $DATA/ 2>/dev/null
+cp -n .device/distilled*/part-*.safetensors $DATA/ 2>/dev/null  # .device/distilled, distilled2, ...
 TRAIN="python3 -m deployments.cli -v train-drafter --config $CONFIG --data $DATA -o $DRAFTER"
 if [[ " $PARTS " == *" distill "* ]]; then
     before=$(ls $DATA/part-*.safetensors 2>/dev/null | wc -l)
