@@ -10,6 +10,8 @@ Rules (`name:params`):
                   probability (A=1: only where it is the drafter's own draft too; a token outside the
                   draft vocabulary has probability 0 and is never taken)
   longest:P       like p:P, but the longest match of 4, 3 or 2 tokens
+  recent:P:N:W    like p:P:N, but only while the request is copying: where the lookup would have
+                  predicted at least one of the W tokens before this one
 
     python benchmarks/lookup_policies.py --device cpu --rules off p:0.8:4 p:0.8:3 boost:4:3 \
         --sets sum alpaca -o FILE
@@ -51,6 +53,14 @@ def make_rule(runner, spec: str):
             found, copied = lookup(history, q, int(params[1]))
             if name == "p":
                 use = found & (probability < float(params[0]))
+            elif name == "recent":
+                hits = torch.zeros_like(found)
+                for back in range(1, int(params[2]) + 1):  # lookup at j predicts the token at j+2
+                    j = (q - back).clamp(min=0)
+                    was_found, predicted = lookup(history, j, int(params[1]))
+                    actual = history.gather(1, (j + 2).unsqueeze(1))[:, 0]
+                    hits |= was_found & (predicted == actual) & (q - back >= 0)
+                use = found & hits & (probability < float(params[0]))
             elif name == "boost":
                 index = target_to_draft[copied]
                 probs = drafter.lm_head(drafter.norm(h)).float().softmax(-1)  # [B, draft vocab]
