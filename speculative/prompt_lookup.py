@@ -4,8 +4,9 @@ request (prompt, output, and the chain's own drafts so far). Summaries, edits an
 from the question repeat spans of the input that the one-layer drafter misses. Five tokens, not
 three or four: on GSM8K, where the drafter is mostly right, shorter matches replace more right
 drafts (at P=0.8 with the committed drafter, CPU: four tokens cost 0.07, five 0.05), while sum,
-alpaca and qa gain as much with five as with four (BENCHMARKS.md, "Prompt lookup in the draft chain"). Fixed shapes and device tensors only, so it runs inside the
-CUDA graphs; verification is unchanged, so the output is still exactly the target's."""
+alpaca and qa gain as much with five as with four (BENCHMARKS.md, "Prompt lookup in the draft
+chain"). Fixed shapes and device tensors only, so it runs inside the CUDA graphs; verification is
+unchanged, so the output is still exactly the target's."""
 import torch
 
 

@@ -361,8 +361,8 @@ def test_lookup_finds_the_latest_earlier_occurrence():
 
 def test_sampled_distribution_with_prompt_lookup(v16_dirs):
     """Looked-up drafts depend on sampled tokens (the history), yet the output keeps the target's
-    distribution. The prompt repeats itself, and its likeliest first token (p 0.75) continues the
-    repeat by four tokens, so most chains are looked up; each looked-up draft is checked against the
+    distribution. The prompt repeats itself (its last eight tokens occur earlier), and its likeliest
+    first token (p 0.75) continues the repeat, so most chains are looked up; each looked-up draft is checked against the
     plain-Python lookup. (A request of three tokens runs too few steps to catch an unrecorded token:
     the greedy test below holds the recording.)"""
     prompt, K = [3, 1, 2, 7, 3, 1, 13, 9] * 2 + [3, 1], 3

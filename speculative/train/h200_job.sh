@@ -3,10 +3,11 @@
 #   distill     self-distil one more stretch of the prompt order (DISTILL_S seconds, default 420) and
 #               return the new data parts in $OUT/data
 #   train       train and export (distilling first when no data is there; TRAIN_S overrides the
-#               config's training time limit; INIT_FROM=DIR starts from that drafter, e.g. the
-#               committed one, or the fp32 checkpoint of an earlier job: INIT_FROM=/tmp/eagle/drafter.ckpt
-#               DRAFTER_OUT=/tmp/eagle/drafter2, instead of a fresh one; RESUME=1 continues the checkpoint that an
-#               earlier train job left on a warm machine, which is otherwise removed)
+#               config's training time limit; INIT_FROM=DIR starts from that drafter instead of a
+#               fresh one: the committed one, or an earlier job's fp32 checkpoint with an output of
+#               its own (INIT_FROM=/tmp/eagle/drafter.ckpt DRAFTER_OUT=/tmp/eagle/drafter2); RESUME=1
+#               continues the checkpoint that an earlier train job left on a warm machine, which is
+#               otherwise removed)
 #   acceptance  measure the drafter's acceptance
 #   stepspeed   training steps/s with the loss over every row against the loss rows only
 #               (benchmarks/train_step_speed.py on the staged data)
