@@ -114,7 +114,8 @@ def cmd_train_drafter(args) -> None:
                                      "ttt_steps": args.ttt_steps, "time_limit_s": args.time_limit,
                                      "init_from": args.init_from, "device": args.device}.items() if v is not None})
     distill = {k: v for k, v in {"prompt_files": args.prompts, "num_prompts": args.num_prompts,
-                                 "time_limit_s": args.distill_time_limit}.items() if v is not None}
+                                 "time_limit_s": args.distill_time_limit,
+                                 "skip_prompts": args.distill_skip}.items() if v is not None}
     if distill:
         fields["distill"] = {**fields.get("distill", {}), **distill}
     summary = train_drafter(TrainConfig(**fields), distill_only=args.distill_only)
@@ -246,6 +247,8 @@ def main(argv=None) -> None:
                        "for the tokens the new draft vocabulary holds)")
     train.add_argument("--time-limit", type=float, help="seconds of training; then checkpoint and stop")
     train.add_argument("--distill-time-limit", type=float, help="seconds of self-distillation (admitting prompts)")
+    train.add_argument("--distill-skip", type=int, help="prompts at the start of the order not to distil (those "
+                       "an earlier dataset, no longer here, covered)")
     train.add_argument("--device", choices=["auto", "cpu", "cuda"])
     train.set_defaults(func=cmd_train_drafter)
 

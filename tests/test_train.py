@@ -142,7 +142,8 @@ def test_distillation_keeps_undistilled_prompts(tmp_path):
 
 def test_distillation_continues_in_parts(tmp_path):
     """Each distill-only run adds a part that continues the prompt order where the earlier parts
-    stopped: every prompt once across the parts, and nothing more once the order is used up."""
+    stopped: every prompt once across the parts, and nothing more once the order is used up; with
+    skip_prompts, a run continues the order of parts it does not have."""
     model = tiny_target(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
@@ -163,6 +164,12 @@ def test_distillation_continues_in_parts(tmp_path):
     data = load_data(tmp_path / "data")
     assert [tuple(data.seq(i).tolist()) for i in range(len(data))] == \
         [tuple(s.seq(i).tolist()) for s in parts for i in range(len(s))]
+    # without the first part, skip_prompts continues the order where it stopped: the second part again
+    lost = everything.model_copy(update={"data": str(tmp_path / "data2"),
+                                         "distill": everything.distill.model_copy(update={"skip_prompts": 3})})
+    assert train_drafter(lost, distill_only=True)["num_sequences"] == len(QUESTIONS) - 3
+    again = TokenStore.load(data_parts(tmp_path / "data2")[0])
+    assert [again.seq(i).tolist() for i in range(len(again))] == [parts[1].seq(i).tolist() for i in range(len(parts[1]))]
 
 
 def test_distillation_passes(tmp_path):

@@ -26,6 +26,9 @@ class DistillConfig(BaseModel):
     # keep the prompts left when the time limit stops admission, as sequences without a response
     # (they only teach anything with TrainConfig.prompt_loss_weight > 0)
     keep_undistilled_prompts: bool = False
+    # prompts at the start of the order that the data directory's parts do not hold and no run
+    # should distil: those an earlier dataset covered (a lost one, to continue its order)
+    skip_prompts: int = Field(0, ge=0)
     seed: int = 0
 
     @model_validator(mode="after")

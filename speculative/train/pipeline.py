@@ -22,7 +22,7 @@ def distill(cfg: TrainConfig) -> TokenStore:
     d = cfg.distill
     if not d.prompt_files:
         raise ValueError(f"no self-distilled data in {cfg.data_dir} and no prompt files to generate it from")
-    skip = len(load_data(cfg.data_dir)) if data_parts(cfg.data_dir) else 0
+    skip = d.skip_prompts + (len(load_data(cfg.data_dir)) if data_parts(cfg.data_dir) else 0)
     max_len = d.max_prompt_len + d.max_tokens + 1
     engine = LLMEngine(EngineConfig(
         model=cfg.model, drafter="none", device=cfg.device, max_batch_size=d.max_batch_size,
