@@ -115,7 +115,8 @@ def cmd_train_drafter(args) -> None:
                                      "init_from": args.init_from, "device": args.device}.items() if v is not None})
     distill = {k: v for k, v in {"prompt_files": args.prompts, "num_prompts": args.num_prompts,
                                  "time_limit_s": args.distill_time_limit,
-                                 "skip_prompts": args.distill_skip}.items() if v is not None}
+                                 "skip_prompts": args.distill_skip,
+                                 "num_workers": args.distill_workers}.items() if v is not None}
     if distill:
         fields["distill"] = {**fields.get("distill", {}), **distill}
     summary = train_drafter(TrainConfig(**fields), distill_only=args.distill_only)
@@ -249,6 +250,7 @@ def main(argv=None) -> None:
     train.add_argument("--distill-time-limit", type=float, help="seconds of self-distillation (admitting prompts)")
     train.add_argument("--distill-skip", type=int, help="prompts at the start of the order not to distil (those "
                        "an earlier dataset, no longer here, covered)")
+    train.add_argument("--distill-workers", type=int, help="engine processes sharing the device for self-distillation")
     train.add_argument("--device", choices=["auto", "cpu", "cuda"])
     train.set_defaults(func=cmd_train_drafter)
 

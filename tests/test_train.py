@@ -200,15 +200,37 @@ def test_distillation_passes(tmp_path):
         DistillConfig(num_passes=2, keep_undistilled_prompts=True)
 
 
+def test_distillation_in_processes_equals_one_engine(tmp_path):
+    """Engines in two processes distil what one engine does, sequence for sequence and in the same
+    order, the sampled second pass included (each request has its own seed); with num_prompts
+    short of the order, they take its first prompts."""
+    model = tiny_target(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
+    distill = DistillConfig(prompt_files=[str(prompts)], num_prompts=len(QUESTIONS) + 5, num_passes=2, max_tokens=8,
+                            sampled_fraction=0.0, temperature=1.5, max_batch_size=2, max_prompt_len=128)
+    seqs = []
+    for workers in (1, 2):
+        cfg = TrainConfig(model=str(model), output=str(tmp_path / "drafter"), data=str(tmp_path / f"data{workers}"),
+                          device="cpu", distill=distill.model_copy(update={"num_workers": workers}))
+        assert train_drafter(cfg, distill_only=True)["num_sequences"] == len(QUESTIONS) + 5
+        data = load_data(tmp_path / f"data{workers}")
+        seqs.append([(data.seq(i).tolist(), int(data.prompt_lens[i])) for i in range(len(data))])
+    assert seqs[1] == seqs[0]
+    assert len({tuple(s[:p]) for s, p in seqs[0]}) == len(QUESTIONS)  # every prompt, 5 of them twice
+
+
 def test_cli_distill_only(tmp_path):
     """`eagleserve train-drafter --distill-only` writes a data part (by default beside the output,
-    in OUTPUT.data, a trailing slash or not) and trains nothing."""
+    in OUTPUT.data, a trailing slash or not) and trains nothing; here with two engine processes,
+    which the CLI module, run with -m, must be able to spawn."""
     model = tiny_target(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
     proc = subprocess.run([sys.executable, "-m", "deployments.cli", "train-drafter", "--model", str(model),
                            "-o", f"{tmp_path / 'drafter'}/", "--prompts", str(prompts),
-                           "--num-prompts", "5", "--distill-time-limit", "60", "--device", "cpu", "--distill-only"],
+                           "--num-prompts", "5", "--distill-time-limit", "60", "--distill-workers", "2", "--device", "cpu",
+                           "--distill-only"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stderr.strip().splitlines()[-1])["num_sequences"] == 5

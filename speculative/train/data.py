@@ -111,62 +111,142 @@ def read_prompts(files: list[str]) -> list[str]:
     return prompts
 
 
-def self_distill(engine, cfg: DistillConfig, skip: int = 0) -> TokenStore:
-    """Regenerate responses with the target through our engine (drafter "none"); a response that
-    ended on EOS keeps that EOS, so the drafter learns where answers stop. Starts after the first
-    `skip` prompts of the order (those earlier runs covered; passes after the first go through the
-    order again); `num_prompts` counts from the start. Every prompt taken, distilled or kept
-    undistilled, becomes one sequence, in order."""
+def distill_order(cfg: DistillConfig, tokenizer, skip: int = 0):
+    """-> (number of prompts to distil, iterator of (prompt ids, SamplingParams) over the order
+    after its first `skip` prompts). Passes after the first go through the order again, sampled;
+    `num_prompts` counts from the start of the order."""
     from speculative.config import SamplingParams
     from speculative.engine import encode_prompt
     texts = prompt_order(read_prompts(cfg.prompt_files), cfg)
+    passes = ((p, ids) for p in range(cfg.num_passes)
+              for ids in length_sorted_chunks((encode_prompt(tokenizer, t) for t in texts), 4 * cfg.max_batch_size,
+                                              cfg.max_prompt_len))
 
-    def passes():  # (pass, prompt ids): the order once per pass
-        for p in range(cfg.num_passes):
-            encoded = (encode_prompt(engine.tokenizer, t) for t in texts)
-            yield from ((p, ids) for ids in length_sorted_chunks(encoded, 4 * engine.executor.num_slots,
-                                                                 cfg.max_prompt_len))
+    def order():
+        rng = random.Random(cfg.seed + 1)
+        greedy = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens)
+        for p, ids in itertools.islice(passes, skip, None):
+            sampled = rng.random() < cfg.sampled_fraction or p > 0
+            yield ids, (SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                                       seed=rng.randrange(2**31)) if sampled else greedy)
+    return max(min(cfg.num_prompts, len(texts) * cfg.num_passes) - skip, 0), order()
 
-    encoded = itertools.islice(passes(), skip, None)
-    rng = random.Random(cfg.seed + 1)
-    greedy = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens)
+
+def distill_jobs(order, num_prompts: int, time_limit_s: float | None):
+    """(index, prompt ids, params) for the first `num_prompts` of `order`, until the time limit
+    (checked before taking each, so that no prompt is taken and dropped)."""
+    start = time.perf_counter()
+    for index in range(num_prompts):
+        if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
+            return
+        item = next(order, None)
+        if item is None:
+            return
+        yield index, *item
+
+
+def generate_in_waves(engine, jobs):
+    """Run (key, prompt ids, params) jobs through the engine; yields (key, prompt ids, response) as
+    each finishes. A response that ended on EOS keeps that EOS, so the drafter learns where answers
+    stop. Jobs are admitted in waves once a quarter of the slots are free: a step that carries a
+    prefill runs eager and costs as much as many graphed decode steps, so one prefill per finished
+    request would make the generation several times slower."""
     eos = engine.tokenizer.eos_token_id
     engine.scheduler.tokenizer = None  # no detokenizing: nothing reads the text, and it costs host time
-    requests, start = [], time.perf_counter()
-    num_prompts = cfg.num_prompts - skip
-    bar = tqdm(total=max(min(num_prompts, len(texts) * cfg.num_passes - skip), 0), desc="self-distillation", unit="seq")
-    is_admitting = True
-    num_slots = engine.executor.num_slots
-
-    def num_busy() -> int:
-        return engine.scheduler.num_waiting + engine.scheduler.num_running
-
+    num_slots, running, is_admitting = engine.executor.num_slots, {}, True
     while is_admitting or engine.has_work:
-        if cfg.time_limit_s is not None and time.perf_counter() - start > cfg.time_limit_s:
-            is_admitting = False
-        # Refill in waves once a quarter of the slots are free: a step that carries a prefill runs
-        # eager and costs as much as many graphed decode steps, so one prefill per finished
-        # request would make the generation several times slower.
-        if is_admitting and num_busy() <= num_slots * 3 // 4:
-            for _ in range(num_slots - num_busy()):
-                item = next(encoded, None) if len(requests) < num_prompts else None
-                if item is None:
+        num_busy = engine.scheduler.num_waiting + engine.scheduler.num_running
+        if is_admitting and num_busy <= num_slots * 3 // 4:
+            for _ in range(num_slots - num_busy):
+                job = next(jobs, None)
+                if job is None:
                     is_admitting = False
                     break
-                pass_index, ids = item
-                sampled = rng.random() < cfg.sampled_fraction or pass_index > 0
-                params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                        seed=rng.randrange(2**31)) if sampled else greedy
-                requests.append(engine.add_request(ids, params))
-        bar.update(sum(out.finish_reason is not None for out in engine.step()))
-    bar.close()
-    seqs, prompt_lens = [], []
-    for r in requests:
-        response = r.output_ids + ([eos] if r.finish_reason == "stop" and eos is not None else [])
-        seqs.append(r.prompt_ids + response)
-        prompt_lens.append(len(r.prompt_ids))
+                key, ids, params = job
+                request = engine.add_request(ids, params)
+                running[request.request_id] = key, request
+        for out in engine.step():
+            if out.finish_reason is not None:
+                key, r = running.pop(out.request_id)
+                yield key, r.prompt_ids, r.output_ids + ([eos] if r.finish_reason == "stop" and eos is not None else [])
+
+
+def self_distill(engine, cfg: DistillConfig, skip: int = 0) -> TokenStore:
+    """Regenerate responses with the target through our engine (drafter "none") for the prompts of
+    the distillation order after the first `skip` (those earlier runs covered), until the time limit
+    stops admission. Every prompt taken, distilled or kept undistilled, becomes one sequence, in order."""
+    total, order = distill_order(cfg, engine.tokenizer, skip)
+    results = tqdm(generate_in_waves(engine, distill_jobs(order, total, cfg.time_limit_s)), total=total,
+                   desc="self-distillation", unit="seq")
+    return _distilled_store({key: (prompt, response) for key, prompt, response in results}, order, cfg)
+
+
+def self_distill_in_processes(engine_cfg, cfg: DistillConfig, skip: int = 0) -> TokenStore:
+    """`self_distill` with `cfg.num_workers` engines, each in a process of its own on the one
+    device. A small target leaves the GPU idle for most of a step while one process's host work
+    (scheduling, launches) runs, so several processes share it. One queue hands out the prompts in
+    order: whenever the time limit stops admission, the prompts taken are the order's first ones."""
+    import multiprocessing
+    import threading
+    from workers.loader import load_tokenizer, resolve_model
+    ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+    jobs, results = ctx.Queue(maxsize=cfg.max_batch_size), ctx.Queue()
+    workers = [ctx.Process(target=_distill_worker, args=(engine_cfg, jobs, results), daemon=True)
+               for _ in range(cfg.num_workers)]
+    for w in workers:
+        w.start()
+    total, order = distill_order(cfg, load_tokenizer(resolve_model(engine_cfg.model)), skip)
+    for _ in workers:  # each engine's "ready": the time limit counts from when all are
+        _next_result(results, workers)
+
+    def feed():
+        for job in distill_jobs(order, total, cfg.time_limit_s):
+            jobs.put(job)
+        for _ in workers:
+            jobs.put(None)
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    done, num_finished = {}, 0
+    with tqdm(total=total, desc=f"self-distillation ({len(workers)} processes)", unit="seq") as bar:
+        while num_finished < len(workers):
+            result = _next_result(results, workers)
+            if result == "done":
+                num_finished += 1
+            else:
+                done[result[0]] = result[1:]
+                bar.update()
+    feeder.join()
+    for w in workers:
+        w.join()
+    return _distilled_store(done, order, cfg)
+
+
+def _distill_worker(engine_cfg, jobs, results) -> None:
+    from speculative.engine import LLMEngine
+    engine = LLMEngine(engine_cfg)
+    results.put("ready")
+    for result in generate_in_waves(engine, iter(jobs.get, None)):
+        results.put(result)
+    results.put("done")
+
+
+def _next_result(results, workers):
+    import queue
+    while True:
+        try:
+            return results.get(timeout=5)
+        except queue.Empty:
+            if any(w.exitcode not in (None, 0) for w in workers):
+                raise RuntimeError("a self-distillation process died (its traceback is above)") from None
+
+
+def _distilled_store(done: dict, order, cfg: DistillConfig) -> TokenStore:
+    """The sequences of jobs 0..len(done)-1, then (with keep_undistilled_prompts) the prompts left in
+    `order` without a response."""
+    seqs = [done[i][0] + done[i][1] for i in range(len(done))]
+    prompt_lens = [len(done[i][0]) for i in range(len(done))]
     if cfg.keep_undistilled_prompts:
-        rest = [ids for _, ids in tqdm(encoded, desc="undistilled prompts", unit="prompt")]
+        rest = [ids for ids, _ in tqdm(order, desc="undistilled prompts", unit="prompt")]
         seqs += rest
         prompt_lens += [len(ids) for ids in rest]
     return TokenStore.from_lists(seqs, prompt_lens)

@@ -2,7 +2,8 @@
 # H200 commands for the SmolLM2-135M drafter. Parts (`h200_job.sh PART...`; default "train acceptance"):
 #   distill     self-distil one more stretch of the prompt order (DISTILL_S seconds, default 420) and
 #               return the new data parts in $OUT/data (DISTILL_SKIP=N: the order's first N prompts are
-#               left out, as when the parts that held them are lost)
+#               left out, as when the parts that held them are lost; DISTILL_WORKERS=N: N engine
+#               processes share the GPU)
 #   train       train and export (distilling first when no data is there; TRAIN_S overrides the
 #               config's training time limit; INIT_FROM=DIR starts from that drafter instead of a
 #               fresh one: the committed one, or an earlier job's fp32 checkpoint with an output of
@@ -30,7 +31,8 @@ cp -n .device/distilled*/part-*.safetensors $DATA/ 2>/dev/null  # .device/distil
 TRAIN="python3 -m deployments.cli -v train-drafter --config $CONFIG --data $DATA -o $DRAFTER"
 if [[ " $PARTS " == *" distill "* ]]; then
     before=$(ls $DATA/part-*.safetensors 2>/dev/null | wc -l)
-    $TRAIN --distill-only --distill-time-limit ${DISTILL_S:-420} ${DISTILL_SKIP:+--distill-skip $DISTILL_SKIP} 2>&1 | grep -v "^\s*$" | tail -c 2000
+    $TRAIN --distill-only --distill-time-limit ${DISTILL_S:-420} ${DISTILL_SKIP:+--distill-skip $DISTILL_SKIP} \
+        ${DISTILL_WORKERS:+--distill-workers $DISTILL_WORKERS} 2>&1 | grep -v "^\s*$" | tail -c 2000
     mkdir -p "$OUT/data"
     ls $DATA/part-*.safetensors | tail -n +$((before + 1)) | xargs -r cp -t "$OUT/data/"
 fi

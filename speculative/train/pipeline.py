@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from speculative.train.config import TrainConfig
-from speculative.train.data import TokenStore, data_parts, load_data, save_parts, self_distill
+from speculative.train.data import (TokenStore, data_parts, load_data, save_parts, self_distill,
+                                    self_distill_in_processes)
 from speculative.train.trainer import train
 
 log = logging.getLogger(__name__)
@@ -24,17 +25,22 @@ def distill(cfg: TrainConfig) -> TokenStore:
         raise ValueError(f"no self-distilled data in {cfg.data_dir} and no prompt files to generate it from")
     skip = d.skip_prompts + (len(load_data(cfg.data_dir)) if data_parts(cfg.data_dir) else 0)
     max_len = d.max_prompt_len + d.max_tokens + 1
-    engine = LLMEngine(EngineConfig(
+    engine_cfg = EngineConfig(
         model=cfg.model, drafter="none", device=cfg.device, max_batch_size=d.max_batch_size,
         # the runner pads a prefill batch to its longest prompt: budget for the padded size
-        max_model_len=max_len, max_num_batched_tokens=max(max_len, d.max_batch_size * d.max_prompt_len)))
-    start = time.perf_counter()
-    store = self_distill(engine, d, skip)
+        max_model_len=max_len, max_num_batched_tokens=max(max_len, d.max_batch_size * d.max_prompt_len))
+    start = time.perf_counter()  # the engines' start counts: it is part of every job's time
+    if d.num_workers > 1:
+        store = self_distill_in_processes(engine_cfg, d, skip)
+    else:
+        engine = LLMEngine(engine_cfg)
+        store = self_distill(engine, d, skip)
+        del engine
     seconds = time.perf_counter() - start
     num_response = int(store.lengths.sum() - store.prompt_lens.sum())
-    log.info("self-distillation: %d sequences after the %d prompts of earlier parts, %d response tokens "
-             "in %.0f s (%.0f tokens/s)", len(store), skip, num_response, seconds, num_response / max(seconds, 1e-9))
-    del engine
+    log.info("self-distillation in %d process(es): %d sequences after the %d prompts of earlier parts, %d response "
+             "tokens in %.0f s with the engines' start (%.0f tokens/s)", d.num_workers, len(store), skip,
+             num_response, seconds, num_response / max(seconds, 1e-9))
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
