@@ -183,9 +183,9 @@ def self_distill(engine, cfg: DistillConfig, skip: int = 0) -> TokenStore:
 
 def self_distill_in_processes(engine_cfg, cfg: DistillConfig, skip: int = 0) -> TokenStore:
     """`self_distill` with `cfg.num_workers` engines, each in a process of its own on the one
-    device. A small target leaves the GPU idle for most of a step while one process's host work
-    (scheduling, launches) runs, so several processes share it. One queue hands out the prompts in
-    order: whenever the time limit stops admission, the prompts taken are the order's first ones."""
+    device: while one process's host works (scheduling, eager prefill launches), the GPU can run
+    another's kernels. One queue hands out the prompts in order: whenever the time limit stops
+    admission, the prompts taken are the order's first ones."""
     import multiprocessing
     import threading
     from workers.loader import load_tokenizer, resolve_model
