@@ -16,7 +16,8 @@ from speculative.drafter import dequantize_int8, drafter_config_for, random_draf
 from speculative.engine import LLMEngine, encode_prompt
 from speculative.train.config import DistillConfig, TrainConfig
 from speculative.train.data import (PAD_MULTIPLE, TokenStore, batches, collate, data_parts, length_sorted_chunks,
-                                    load_data, prompt_order, save_parts, self_distill)
+                                    load_data, prompt_order, save_parts, self_distill,
+                                    self_distill_in_processes)
 from speculative.train.pipeline import train_drafter
 from speculative.train.trainer import init_drafter, load_target, train_step
 from speculative.train.ttt import loss_rows, ttt_loss, ttt_mask
@@ -218,6 +219,18 @@ def test_distillation_in_processes_equals_one_engine(tmp_path):
         seqs.append([(data.seq(i).tolist(), int(data.prompt_lens[i])) for i in range(len(data))])
     assert seqs[1] == seqs[0]
     assert len({tuple(s[:p]) for s, p in seqs[0]}) == len(QUESTIONS)  # every prompt, 5 of them twice
+
+
+def test_distillation_process_that_dies_fails_the_run(tmp_path):
+    """An engine process that fails (here: prompts longer than its max_model_len) fails the whole
+    distillation with an error instead of leaving the others waiting."""
+    model = tiny_target(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
+    engine_cfg = EngineConfig(model=str(model), drafter="none", device="cpu", max_batch_size=2, max_model_len=16)
+    distill = DistillConfig(prompt_files=[str(prompts)], num_prompts=4, max_tokens=8, max_batch_size=2, num_workers=2)
+    with pytest.raises(RuntimeError, match="process died"):
+        self_distill_in_processes(engine_cfg, distill)
 
 
 def test_cli_distill_only(tmp_path):

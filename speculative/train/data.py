@@ -195,29 +195,35 @@ def self_distill_in_processes(engine_cfg, cfg: DistillConfig, skip: int = 0) -> 
                for _ in range(cfg.num_workers)]
     for w in workers:
         w.start()
-    total, order = distill_order(cfg, load_tokenizer(resolve_model(engine_cfg.model)), skip)
-    for _ in workers:  # each engine's "ready": the time limit counts from when all are
-        _next_result(results, workers)
+    finished = False
+    try:
+        total, order = distill_order(cfg, load_tokenizer(resolve_model(engine_cfg.model)), skip)
+        for _ in workers:  # each engine's "ready": the time limit counts from when all are
+            _next_result(results, workers)
 
-    def feed():
-        for job in distill_jobs(order, total, cfg.time_limit_s):
-            jobs.put(job)
-        for _ in workers:
-            jobs.put(None)
-    feeder = threading.Thread(target=feed, daemon=True)
-    feeder.start()
-    done, num_finished = {}, 0
-    with tqdm(total=total, desc=f"self-distillation ({len(workers)} processes)", unit="seq") as bar:
-        while num_finished < len(workers):
-            result = _next_result(results, workers)
-            if result == "done":
-                num_finished += 1
-            else:
-                done[result[0]] = result[1:]
-                bar.update()
-    feeder.join()
-    for w in workers:
-        w.join()
+        def feed():
+            for job in distill_jobs(order, total, cfg.time_limit_s):
+                jobs.put(job)
+            for _ in workers:
+                jobs.put(None)
+        feeder = threading.Thread(target=feed, daemon=True)
+        feeder.start()
+        done, num_finished = {}, 0
+        with tqdm(total=total, desc=f"self-distillation ({len(workers)} processes)", unit="seq") as bar:
+            while num_finished < len(workers):
+                result = _next_result(results, workers)
+                if result == "done":
+                    num_finished += 1
+                else:
+                    done[result[0]] = result[1:]
+                    bar.update()
+        feeder.join()
+        finished = True
+    finally:
+        for w in workers:
+            if not finished:  # an error: the other engines must not wait for jobs forever
+                w.terminate()
+            w.join()
     return _distilled_store(done, order, cfg)
 
 
