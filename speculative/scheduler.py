@@ -31,6 +31,7 @@ class Request:
     in_flight: int = 0                   # planned steps whose results are not processed yet
     last_step: int = -1                  # last step id that includes this request
     text: str = ""                       # decoded output so far (stop strings are searched in it)
+    num_sent: int = 0                    # characters of text already returned as deltas
     prefix_offset: int = 0               # output_ids[prefix_offset:read_offset] is the context for
     read_offset: int = 0                 # decoding the tokens from read_offset on (incremental detokenizing)
 
@@ -215,7 +216,8 @@ class Scheduler:
                 break
         if not r.is_finished and len(r.output_ids) >= r.params.max_tokens:
             self._finish(r, "length")
-        delta = self._detokenize(r) if self.tokenizer is not None and new else ""
+        # a finished request may still hold back text that could have begun a stop string
+        delta = self._detokenize(r) if self.tokenizer is not None and (new or r.is_finished) else ""
         return RequestOutput(r.request_id, new, delta, r.finish_reason, r.acceptance_length)
 
     def _decode(self, r: Request) -> str:
@@ -243,8 +245,17 @@ class Scheduler:
         at = self._find_stop(r, text) if r.params.stop else None
         if at is not None:
             text = text[:at]
-        delta, r.text = text[len(r.text):], text
+        r.text = text
+        # what may be the start of a stop string is held back until later tokens complete or refute it
+        end = len(text) if r.is_finished else len(text) - self._partial_stop(r, text)
+        delta = text[r.num_sent:end]
+        r.num_sent = max(r.num_sent, end)
         return delta
+
+    @staticmethod
+    def _partial_stop(r: Request, text: str) -> int:
+        """The length of the longest end of `text` that is the beginning of a stop string."""
+        return max((k for stop in r.params.stop for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
 
     def _finish(self, r: Request, reason: str) -> None:
         r.finish_reason = reason

@@ -2,6 +2,7 @@
 parameters, stop conditions, rejection of bad requests, the extra pass and the overlapped loop."""
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
@@ -153,28 +154,52 @@ def test_stop_strings(tok_dir):
         assert stop in decoded and stop not in engine.tokenizer.decode(r.output_ids[:-1], skip_special_tokens=True)
 
 
-def test_stop_string_cut_is_independent_of_tokens_per_step(tok_dir):
+@pytest.mark.parametrize("stop, expected", [("four", " one two three "), ("hree fo", " one two t"),
+                                            ("e f", " one two thre")])
+def test_stop_string_cut_is_independent_of_tokens_per_step(tok_dir, stop, expected):
     """Speculation emits several tokens a step; a stop string inside them must end the output at the
-    same token as plain decoding (one token a step). Scheduler state machine, fed by hand."""
+    same token as plain decoding (one token a step). The streamed deltas never hold the start of a
+    stop string that the next tokens complete (here it spans tokens). Scheduler state machine, fed
+    by hand."""
     from workers.loader import load_tokenizer
     tokenizer = load_tokenizer(tok_dir)
     stream = tokenizer.encode(" one two three four five six seven eight nine ten eleven twelve")
-    params = SamplingParams(max_tokens=40, stop=["four"])
+    params = SamplingParams(max_tokens=40, stop=[stop])
     outputs = []
     for per_step in (1, 4):
         s = Scheduler(2, 256, 256, per_step - 1, {0}, tokenizer)
         r = s.add("r", [1, 2, 3], params)
-        fed = 0
+        fed, deltas = 0, []
         while not r.is_finished:
             plan = s.plan()
             n = 1 if plan.prefills else per_step
             tokens = torch.zeros(1, per_step, dtype=torch.long)
             tokens[0, :n] = torch.tensor(stream[fed:fed + n])
-            s.process(plan, StepResult(plan.step_id, tokens.numpy(), torch.tensor([n]).numpy()))
+            deltas += [out.text_delta for out in s.process(plan, StepResult(plan.step_id, tokens.numpy(),
+                                                                              torch.tensor([n]).numpy()))]
             fed += n
-        outputs.append((r.output_ids, r.text, r.finish_reason))
+        outputs.append((r.output_ids, r.text, r.finish_reason, "".join(deltas)))
     assert outputs[0] == outputs[1]
-    assert outputs[0][1] == " one two three " and outputs[0][2] == "stop"
+    assert outputs[0][1:] == (expected, "stop", expected)
+
+
+@pytest.mark.parametrize("ends_on", ["eos", "length"])
+def test_held_back_text_is_sent_when_the_request_ends(tok_dir, ends_on):
+    """Text held back because it may begin a stop string is sent once the request ends without it:
+    on EOS, a step that adds no text, or on max_tokens."""
+    from workers.loader import load_tokenizer
+    tokenizer = load_tokenizer(tok_dir)
+    stream = tokenizer.encode(" one two") + ([0] if ends_on == "eos" else tokenizer.encode(" three"))
+    s = Scheduler(2, 256, 256, 0, {0}, tokenizer)
+    r = s.add("r", [1, 2, 3], SamplingParams(max_tokens=len(stream), stop=["two three four"]))
+    deltas = []
+    for token in stream:
+        plan = s.plan()
+        deltas += [out.text_delta for out in s.process(plan, StepResult(plan.step_id, np.array([[token]]),
+                                                                          np.array([1])))]
+    expected = " one two" if ends_on == "eos" else " one two three"
+    assert r.finish_reason == ("stop" if ends_on == "eos" else "length")
+    assert "".join(deltas) == expected and deltas[-1] == expected[len(" one "):]  # "two" was held back
 
 
 def test_incremental_detokenizing_equals_whole_decode(tok_dir):
