@@ -57,7 +57,7 @@ class EngineConfig(BaseModel):
     # has probability below this, draft the token that followed the last five tokens earlier in
     # the request instead. 0: off
     prompt_lookup: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int = 0                                     # seeds requests that bring none
+    seed: int = Field(0, ge=0, le=2**40)              # seeds requests that bring none (seed * 1000003 + n fits int64)
 
     @model_validator(mode="after")
     def _check(self):

@@ -110,6 +110,7 @@ class Scheduler:
     def abort(self, request_id: str) -> None:
         for r in self.waiting:
             if r.request_id == request_id:
+                r.finish_reason = "abort"
                 self.waiting.remove(r)
                 return
         request = self.running.get(request_id)

@@ -48,8 +48,10 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))   # [B, T, V]
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = probs.cumsum(-1) - probs
-    # keeps the smallest prefix with mass >= top_p
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.view(-1, 1, 1), float("-inf"))
+    # keeps the smallest prefix with mass >= top_p; top_p 1 cuts nothing (in float32 the mass
+    # reaches 1.0 before the tail, and that row's distribution must not depend on other rows)
+    cut = (mass_before >= top_p.view(-1, 1, 1)) & (top_p < 1).view(-1, 1, 1)
+    sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 

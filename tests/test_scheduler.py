@@ -8,7 +8,7 @@ import torch
 from pydantic import ValidationError
 
 from conftest import run_to_completion, tiny_engine, tiny_prompts, write_tiny_llama
-from speculative.config import SamplingParams
+from speculative.config import EngineConfig, SamplingParams
 from speculative.plan import StepResult
 from speculative.scheduler import RequestError, Scheduler
 
@@ -259,6 +259,26 @@ def test_bad_requests_are_rejected_and_harm_no_other(tiny_dir, tiny_drafter_dir)
 def test_invalid_sampling_params(field, value):
     with pytest.raises(ValidationError, match=field if field != "stop" else "stop"):
         SamplingParams(**{field: value})
+
+
+def test_engine_seed_is_bounded():
+    """Requests without a seed get engine seed * 1000003 + n, which must fit int64 on the device."""
+    EngineConfig(model="m", seed=2**40)
+    with pytest.raises(ValidationError, match="seed"):
+        EngineConfig(model="m", seed=10**13)
+
+
+def test_abort_ends_waiting_and_running_requests():
+    """An aborted request ends with finish_reason "abort" whether it was waiting or running, and a
+    running one's slot comes back once its step in flight is processed."""
+    s = Scheduler(1, 64, 64, 0, {0}, None)
+    running, waiting = s.add("a", [1, 2], SamplingParams(max_tokens=8)), s.add("b", [3], SamplingParams(max_tokens=8))
+    plan = s.plan()
+    s.abort("b")
+    s.abort("a")
+    assert running.finish_reason == waiting.finish_reason == "abort" and s.num_waiting == 0
+    s.process(plan, StepResult(plan.step_id, np.array([[5]]), np.array([1])))
+    assert not s.has_work and s.free_slots == [0] and running.output_ids == []
 
 
 # ---- the extra pass and the overlapped loop ----

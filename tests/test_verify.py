@@ -63,6 +63,17 @@ def test_top_k_top_p(tokens_per_row):
     torch.testing.assert_close(probs, expected.unsqueeze(1).expand(3, tokens_per_row, 4))
 
 
+def test_rows_without_top_k_top_p_are_not_cut():
+    """A row with top_p 1 and no top_k keeps its whole distribution, bit for bit, when another row
+    of the step turns the top-k/top-p path on: in float32 the sorted cumulative mass reaches 1.0
+    before the tail, and cutting there would make a seeded request depend on its neighbours."""
+    logits = torch.randn(2, 1, 49152, generator=torch.Generator().manual_seed(0)) * 4
+    temperature = torch.full((2,), 0.7)
+    alone = target_probs(logits[:1], temperature[:1], None, torch.ones(1))
+    together = target_probs(logits, temperature, torch.tensor([0, 50]), torch.tensor([1.0, 1.0]))
+    assert torch.equal(together[:1], alone) and (together[1] > 0).sum() == 50
+
+
 # ---- no host sync inside a step ----
 
 def test_guard_catches_host_syncs():
