@@ -63,3 +63,13 @@ class Metrics:
             rate = n / verify_rows if verify_rows else 0.0
             lines.append(f'eagleserve_acceptance_rate{{position="{position + 1}"}} {rate:.4f}')
         return "\n".join(lines) + "\n"
+
+
+_INGRESS = Metrics()
+
+
+def ingress_metrics() -> Metrics:
+    """The ingress process's counters, shared by its middleware and the ingress class. Serve ships
+    that class by value, with copies of the module globals its methods read, so a global Metrics
+    would be two objects; a function is shipped by reference and returns the one."""
+    return _INGRESS

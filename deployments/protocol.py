@@ -4,7 +4,7 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, WithJsonSchema, field_validator, model_validator
 from pydantic.json_schema import models_json_schema
 
 from speculative.config import SamplingParams
@@ -89,10 +89,27 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool = False
     user: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """OpenAI's schema lets most options be null, meaning their default, and some clients send
+        them so: a null option with a non-null default takes that default."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
+        return data
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v, info):
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
+
     @field_validator("logprobs")
     @classmethod
     def _no_logprobs(cls, v):
-        if v:
+        if v is not None and v is not False:  # 0 asks for the sampled tokens' logprobs
             raise ValueError("logprobs are not supported")
         return v
 
@@ -116,7 +133,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Annotated[str | list[str] | list[int], _PROMPT]
+    prompt: Annotated[str | list[str] | list[Annotated[int, Strict()]], _PROMPT]  # strict: no booleans
     echo: bool = Field(False)
     max_tokens: int | None = Field(16, ge=1)
 
@@ -143,12 +160,13 @@ KNOWN_FIELDS = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.m
 IGNORED_FIELDS = {"logit_bias", "response_format", "tools", "tool_choice", "parallel_tool_calls", "metadata",
                   "store", "service_tier", "top_logprobs", "suffix", "best_of", "prediction", "modalities",
                   "reasoning_effort", "audio", "web_search_options"}
+DEFAULT_VALUES = (None, False, [], {}, {"type": "text"})  # what those fields may hold: what we do anyway
 
 
 def refuse_unknown(req: _SamplingRequest) -> None:
     """Unsupported options with a non-default value are refused; unknown fields too."""
     for name, value in (req.model_extra or {}).items():
-        if name in IGNORED_FIELDS and value in (None, False, [], {}):
+        if name in IGNORED_FIELDS and value in DEFAULT_VALUES:
             continue
         raise APIError(400, f"unsupported parameter {name!r}", param=name, code="unsupported_parameter")
 

@@ -1,6 +1,7 @@
 """The Ray Serve application: the OpenAI-compatible FastAPI ingress in front of the LLM server
 deployment (deployments/llm_server.py)."""
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -15,7 +16,7 @@ from ray import serve
 
 from deployments.config import ServeConfig
 from deployments.llm_server import LLMServer, llm_server_options
-from deployments.metrics import Metrics
+from deployments.metrics import ingress_metrics
 from deployments.protocol import (APIError, ChatCompletionRequest, CompletionRequest, completion_id, json_body, now,
                                   parse_json_object, refuse_unknown, request_schemas, usage)
 from speculative.config import SamplingParams
@@ -23,6 +24,7 @@ from speculative.scheduler import RequestOutput
 
 log = logging.getLogger("eagleserve.server")
 api = FastAPI(title="eagleserve")
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
 
 def _openapi() -> dict:
@@ -54,7 +56,10 @@ async def _request_id(request: Request, call_next):
     # Serve's proxy takes x-request-id from the client (or makes one), passes it on and echoes it
     # in the response; we reuse it so our log lines for the request carry it.
     request.state.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-    return await call_next(request)
+    response = await call_next(request)
+    if request.url.path in ENDPOINTS:  # every status, errors too (a stream's is 200 once it starts)
+        ingress_metrics().requests[(ENDPOINTS[request.url.path], response.status_code)] += 1
+    return response
 
 
 def _resumable(e: Exception) -> bool:
@@ -77,16 +82,20 @@ def _as_api_error(e: Exception) -> APIError:
 @serve.ingress(api)
 class OpenAIIngress:
     def __init__(self, server, cfg: ServeConfig):
-        from workers.loader import load_tokenizer, resolve_model
+        from workers.llama import LlamaConfig
+        from workers.loader import load_config, load_tokenizer, resolve_model
         self.cfg = cfg
         self.server = server.options(stream=True)
         self.stats_handle = server
-        self.tokenizer = load_tokenizer(resolve_model(cfg.engine.model))
-        self.metrics = Metrics()
+        model_dir = resolve_model(cfg.engine.model)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.max_model_len = LlamaConfig.from_hf(load_config(model_dir)).max_len(cfg.engine.max_model_len)
+        self.metrics = ingress_metrics()
 
     def _authorize(self, request: Request) -> None:
         key = self.cfg.resolved_api_key
-        if key and request.headers.get("authorization") != f"Bearer {key}":
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if key and not (scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())):
             raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
 
     async def _read_body(self, request: Request) -> bytes:
@@ -111,19 +120,20 @@ class OpenAIIngress:
             req = model_cls.model_validate(data)
         except ValidationError as e:
             err = e.errors()[0]
-            param = ".".join(str(p) for p in err["loc"])
-            raise APIError(400, f"{param}: {err['msg']}", param=param, code="invalid_value") from None
+            param = ".".join(str(p) for p in err["loc"]) or None
+            raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param,
+                           code="invalid_value") from None
         refuse_unknown(req)
         if req.model != self.cfg.model_name:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.cfg.model_name!r}",
                            param="model", code="model_not_found")
         return req
 
-    def _sampling(self, req, prompt_ids: list[int], max_tokens: int | None) -> SamplingParams:
-        limit = self.cfg.engine.max_model_len
+    def _sampling(self, req, prompt_ids: list[int], max_tokens: int | None, prompt_param: str) -> SamplingParams:
+        limit = self.max_model_len
         if len(prompt_ids) >= limit:
             raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; the maximum context is {limit}",
-                           param="messages", code="context_length_exceeded")
+                           param=prompt_param, code="context_length_exceeded")
         if max_tokens is not None and len(prompt_ids) + max_tokens > limit:
             raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
                            f"maximum context of {limit} tokens", param="max_tokens", code="context_length_exceeded")
@@ -158,7 +168,7 @@ class OpenAIIngress:
             # until Serve notices the failure it may route to the failed replica again
             await asyncio.sleep(min(0.25 * 2 ** attempt, 2.0))
 
-    async def _run(self, request: Request, endpoint: str, prompt_ids, params, stream: bool, make_chunk, make_full,
+    async def _run(self, request: Request, prompt_ids, params, stream: bool, make_chunk, make_full,
                    include_usage: bool):
         rid = f"{request.state.request_id}/{uuid.uuid4().hex[:8]}"
         start = time.perf_counter()
@@ -169,19 +179,18 @@ class OpenAIIngress:
         except StopAsyncIteration:
             first = None
         except Exception as e:
-            err = _as_api_error(e)
-            self.metrics.requests[(endpoint, err.status)] += 1
-            raise err from None
-        self.metrics.requests[(endpoint, 200)] += 1
+            raise _as_api_error(e) from None
         self.metrics.prompt_tokens += len(prompt_ids)
         state = {"tokens": 0, "last": start, "finish": None}
 
         async def deltas():
-            items = [first] if first is not None else []
-            for item in items:
-                yield item
-            async for item in outputs:
-                yield item
+            if first is not None:
+                yield first
+            try:
+                async for item in outputs:
+                    yield item
+            except Exception as e:  # a non-streamed reply then fails with an OpenAI-style error too
+                raise _as_api_error(e) from None
 
         def observe(item):
             t = time.perf_counter()
@@ -223,7 +232,7 @@ class OpenAIIngress:
         from speculative.engine import encode_prompt
         prompt_ids = encode_prompt(self.tokenizer, [{"role": m.role if m.role != "developer" else "system",
                                                      "content": m.text()} for m in req.messages])
-        params = self._sampling(req, prompt_ids, req.max_completion_tokens or req.max_tokens)
+        params = self._sampling(req, prompt_ids, req.max_completion_tokens or req.max_tokens, "messages")
         cid, created = completion_id("chatcmpl"), now()
         sent_role = []
 
@@ -245,7 +254,7 @@ class OpenAIIngress:
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                                  "finish_reason": finish, "logprobs": None}], "usage": usage_}
         include = bool(req.stream_options and req.stream_options.include_usage)
-        return await self._run(request, "chat", prompt_ids, params, req.stream, chunk, full, include)
+        return await self._run(request, prompt_ids, params, req.stream, chunk, full, include)
 
     @api.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
     async def completions(self, request: Request):
@@ -259,7 +268,7 @@ class OpenAIIngress:
                 raise APIError(400, f"prompt token ids must lie in 0..{vocab - 1}", param="prompt", code="invalid_value")
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
-        params = self._sampling(req, prompt_ids, req.max_tokens)
+        params = self._sampling(req, prompt_ids, req.max_tokens, "prompt")
         cid, created = completion_id("cmpl"), now()
 
         def chunk(text, finish, usage_=None):
@@ -274,17 +283,29 @@ class OpenAIIngress:
             return {"id": cid, "object": "text_completion", "created": created, "model": self.cfg.model_name,
                     "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}], "usage": usage_}
         include = bool(req.stream_options and req.stream_options.include_usage)
-        return await self._run(request, "completions", prompt_ids, params, req.stream, chunk, full, include)
+        return await self._run(request, prompt_ids, params, req.stream, chunk, full, include)
+
+    def _model_card(self) -> dict:
+        return {"id": self.cfg.model_name, "object": "model", "created": now(), "owned_by": "eagleserve"}
 
     @api.get("/v1/models")
     async def models(self, request: Request):
         self._authorize(request)
-        return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "created": now(),
-                                            "owned_by": "eagleserve"}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    @api.get("/v1/models/{model:path}")
+    async def model(self, model: str, request: Request):
+        self._authorize(request)
+        if model != self.cfg.model_name:
+            raise APIError(404, f"model {model!r} does not exist", param="model", code="model_not_found")
+        return self._model_card()
 
     @api.get("/health")
     async def health(self):
-        stats = await self.stats_handle.stats.remote()
+        try:  # a replica that does not answer is not healthy either
+            stats = await asyncio.wait_for(self.stats_handle.stats.remote(), timeout=5)
+        except Exception as e:
+            raise APIError(503, f"the engine does not answer: {type(e).__name__}", "server_error") from None
         if not stats["healthy"]:
             raise APIError(503, "the engine is not healthy", "server_error")
         return {"status": "ok"}

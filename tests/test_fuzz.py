@@ -19,12 +19,13 @@ from tiny_models import tiny_llama
 MODEL = "tiny"
 MAX_BODY = 8192
 MAX_MODEL_LEN = 48
+POSITIONS = 46  # the model's own limit, under MAX_MODEL_LEN: the server serves 46
 FUZZ = settings(max_examples=30, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    model = str(tiny_llama(tmp_path_factory.mktemp("fuzz") / "tiny", layers=2))
+    model = str(tiny_llama(tmp_path_factory.mktemp("fuzz") / "tiny", layers=2, max_positions=POSITIONS))
     cfg = ServeConfig(engine={"model": model, "drafter": "none", "max_batch_size": 8, "max_model_len": MAX_MODEL_LEN,
                               "max_num_batched_tokens": 256, "device": "cpu"},
                       served_model_name=MODEL, max_request_bytes=MAX_BODY)
@@ -89,9 +90,18 @@ def test_oversized_chunked_body_gets_413(app):
     ("/v1/completions", {"prompt": [7] * MAX_MODEL_LEN}),
 ], ids=["chat", "completion", "token-ids"])
 def test_prompt_over_max_model_len_gets_400(app, path, body):
+    """The limit is the model's positions where they are fewer than max_model_len, and the error
+    names the parameter that holds the prompt."""
     error = _assert_openai_error(_post(app["url"], path, json.dumps({"model": MODEL, **body})), 400)
-    assert error["code"] == "context_length_exceeded"
-    assert f"the maximum context is {MAX_MODEL_LEN}" in error["message"] and "tokens" in error["message"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == ("messages" if "chat" in path else "prompt")
+    assert f"the maximum context is {POSITIONS}" in error["message"] and "tokens" in error["message"]
+
+
+def test_without_max_tokens_the_reply_fills_the_models_context(app):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "ignore_eos": True}
+    r = httpx.post(f"{app['url']}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["total_tokens"] == POSITIONS and r.json()["choices"][0]["finish_reason"] == "length"
 
 
 # ---- schemathesis over the app's OpenAPI schema ----

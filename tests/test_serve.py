@@ -44,6 +44,9 @@ def alone(client):
 
 def test_models(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
 
 
 def test_chat_non_streaming(client, alone):
@@ -102,6 +105,10 @@ BAD_REQUESTS = [
     ("max_tokens over context", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 100000}, 400),
     ("bad token id", "/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**9]}, 400),
     ("empty messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
+    ("logprobs 0", "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 0}, 400),
+    ("boolean token ids", "/v1/completions", {"model": MODEL, "prompt": [True, False]}, 400),
+    ("stream_options without stream", "/v1/completions", {"model": MODEL, "prompt": "x",
+                                                          "stream_options": {"include_usage": True}}, 400),
 ]
 
 
@@ -111,6 +118,19 @@ def test_bad_input_gets_openai_error(base_url, name, path, body, status):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["message"] and error["type"]
+
+
+def test_null_options_take_their_defaults(client, base_url, alone):
+    """OpenAI's schema lets options be null (some clients send them so); a default-valued
+    response_format is accepted too."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 24,
+            "temperature": 0, "top_p": None, "n": None, "stream": None, "stop": None, "seed": None,
+            "presence_penalty": None, "frequency_penalty": None, "response_format": {"type": "text"}}
+    r = _post(base_url, "/v1/chat/completions", json.dumps(body))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == alone[QUESTIONS[0]]
+    body = {"model": MODEL, "prompt": "The sky is", "temperature": None, "max_tokens": None}  # completions: 16
+    assert _post(base_url, "/v1/completions", json.dumps(body)).json()["usage"]["completion_tokens"] <= 16
 
 
 def test_bad_input_harms_no_other_request(client, base_url, alone):
@@ -128,6 +148,7 @@ def test_api_key_required(base_url):
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(f"{base_url}/v1/models", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
 
 
 def test_request_id_echoed(base_url):
@@ -173,6 +194,9 @@ def test_overload_gets_429_not_a_hang(base_url):
 def test_health_and_metrics(base_url):
     assert httpx.get(f"{base_url}/health", timeout=30).status_code == 200
     stats = _engine_stats(base_url)
+    # refusals count too (the bad-input tests above ran first)
+    assert stats['eagleserve_requests_total{endpoint="completions",status="400"}'] >= 1
+    assert stats['eagleserve_requests_total{endpoint="chat",status="200"}'] >= 16
     for name in ("eagleserve_completion_tokens_total", "eagleserve_time_to_first_token_seconds_count",
                  "eagleserve_inter_token_latency_seconds_count", "eagleserve_queue_depth",
                  "eagleserve_draft_tokens_proposed_total", "eagleserve_draft_tokens_accepted_total",

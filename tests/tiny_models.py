@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 from workers.loader import resolve_model
 
 
-def tiny_llama(path, heads=4, kv_heads=2, layers=6, hidden=64, seed=0):
+def tiny_llama(path, heads=4, kv_heads=2, layers=6, hidden=64, seed=0, max_positions=1024):
     """A random Llama in HF layout, with SmolLM2's tokenizer and chat template (so the vocabulary matches)."""
     path.mkdir(parents=True, exist_ok=True)
     smol = resolve_model("smollm2-135m")
@@ -31,5 +31,5 @@ def tiny_llama(path, heads=4, kv_heads=2, layers=6, hidden=64, seed=0):
     (path / "config.json").write_text(json.dumps({
         "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "max_position_embeddings": 1024, "tie_word_embeddings": False, "eos_token_id": 2}))
+        "rope_theta": 10000.0, "max_position_embeddings": max_positions, "tie_word_embeddings": False, "eos_token_id": 2}))
     return path

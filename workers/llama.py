@@ -43,6 +43,10 @@ class LlamaConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"))
 
+    def max_len(self, requested: int) -> int:
+        """The sequence length served: the requested one, within the model's positions."""
+        return min(requested, self.max_position_embeddings)
+
     def default_aux_layer_ids(self) -> tuple[int, ...]:
         L = self.num_hidden_layers
         return (2, L // 2, L - 3)

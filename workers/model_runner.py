@@ -60,7 +60,7 @@ class ModelRunner:
         model_dir = resolve_model(cfg.model)
         self.target_cfg = LlamaConfig.from_hf(load_config(model_dir))
         self.K = cfg.k
-        self.max_model_len = min(cfg.max_model_len, self.target_cfg.max_position_embeddings)
+        self.max_model_len = self.target_cfg.max_len(cfg.max_model_len)
         # room for K+1 tokens past the last real one, twice (a step in flight may overrun a finished request)
         self.cache_len = self.max_model_len + 2 * (self.K + 1) + 1
         self.target, self.drafter = load_models(cfg, self.target_cfg, model_dir, group, self.device,
