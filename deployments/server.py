@@ -143,10 +143,10 @@ class OpenAIIngress:
     async def _generate(self, rid: str, prompt_ids: list[int], params: SamplingParams, current: list):
         """The request's deltas. If its replica dies or its engine fails, the request is resubmitted
         (any healthy replica) as prompt + the tokens already sent, for the remaining max_tokens: the
-        client sees a slower stream, not an error, and greedy output is unchanged. `current[0]` is
-        the stream in progress (to cancel)."""
+        client sees a slower stream, not an error, and greedy output is unchanged. A stop string
+        that spans the resume point is not found. `current[0]` is the stream in progress (to cancel)."""
         sent: list[int] = []
-        deadline, attempt = None, 0
+        shown, deadline, attempt = "", None, 0
         while True:
             left = params.max_tokens - len(sent)
             if left <= 0:
@@ -157,6 +157,7 @@ class OpenAIIngress:
             try:
                 async for item in current[0]:
                     sent += item.new_token_ids
+                    shown += item.text_delta
                     yield item
                 return
             except Exception as e:
@@ -164,6 +165,12 @@ class OpenAIIngress:
                 if not _resumable(e) or time.monotonic() >= deadline:
                     raise
                 log.warning("request %s: resuming after %d tokens (%s)", rid, len(sent), type(e).__name__)
+            # the failed engine may have held back text that could have begun a stop string, and the
+            # new request's text starts after these tokens: send it now
+            text = self.tokenizer.decode(sent, skip_special_tokens=True)
+            if text.startswith(shown) and len(text) > len(shown):
+                yield RequestOutput(rid, [], text[len(shown):], None)
+                shown = text
             attempt += 1
             # until Serve notices the failure it may route to the failed replica again
             await asyncio.sleep(min(0.25 * 2 ** attempt, 2.0))
