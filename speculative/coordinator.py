@@ -13,6 +13,7 @@ import ray
 from speculative.config import EngineConfig, SamplingParams
 from speculative.engine import LLMEngine
 from speculative.executor import EngineDeadError, RayExecutor
+from speculative.scheduler import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ class Coordinator:
         self.tokenizer = self.engine.tokenizer
         self.commands: queue.Queue = queue.Queue()
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop | None, object]] = {}
+        self.streams_lock = threading.Lock()  # add() registers from callers' threads
         self.error: str | None = None
         self.wait_s = 0.0           # loop time spent blocked on workers
         self.busy_s = 0.0           # loop time with work to do
@@ -41,14 +43,21 @@ class Coordinator:
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink=None, loop=None) -> None:
         """Validate now (errors raise here), then enqueue for the loop thread."""
-        if self.error:
-            raise EngineDeadError(self.error)
+        if self.error or self.stopped.is_set():
+            raise EngineDeadError(self.error or "the engine was shut down")
         self.engine.scheduler.validate(request_id, prompt_ids, params)
-        self.streams[request_id] = (loop, sink)
+        with self.streams_lock:
+            if request_id in self.streams:
+                raise RequestError(f"request id {request_id!r} is already in use")
+            self.streams[request_id] = (loop, sink)
         self.commands.put(("add", request_id, prompt_ids, params))
 
     def abort(self, request_id: str) -> None:
-        self.commands.put(("abort", request_id))
+        """Ends the request that holds this id now (if any); a later request with the same id is
+        not touched."""
+        stream = self.streams.get(request_id)
+        if stream is not None:
+            self.commands.put(("abort", request_id, stream))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[dict]:
         """Blocking: run prompts to completion (the CLI's path)."""
@@ -92,6 +101,9 @@ class Coordinator:
         self.commands.put(("wake",))
         self.thread.join(timeout=10)
         self.executor.shutdown()
+        self.error = self.error or "the engine was shut down"
+        for request_id in list(self.streams):  # requests still open end with an error, not silence
+            self._emit(request_id, EngineDeadError(self.error))
 
     # ---- the loop thread ----
 
@@ -99,12 +111,16 @@ class Coordinator:
         loop, sink = self.streams.get(request_id, (None, None))
         if sink is None:
             return
-        if loop is None:
-            sink.put(item)
-        else:
-            loop.call_soon_threadsafe(sink.put_nowait, item)
         if item is None or isinstance(item, Exception):
             self.streams.pop(request_id, None)
+        if loop is None:
+            sink.put(item)
+            return
+        try:
+            loop.call_soon_threadsafe(sink.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody reads this stream any more
+            self.streams.pop(request_id, None)
+            self.engine.abort(request_id)
 
     def _apply(self, command) -> None:
         if command[0] == "add":
@@ -114,34 +130,40 @@ class Coordinator:
             except Exception as e:
                 self._emit(request_id, e)
         elif command[0] == "abort":
-            self.engine.abort(command[1])
-            self._emit(command[1], None)
+            _, request_id, stream = command
+            if self.streams.get(request_id) is stream:  # still the request that abort() meant
+                self.engine.abort(request_id)
+                self._emit(request_id, None)
 
     def _loop(self) -> None:
         while not self.stopped.is_set():
             try:
-                command = self.commands.get(timeout=0.5) if not self.engine.has_work else self.commands.get_nowait()
-                self._apply(command)
-                continue
-            except queue.Empty:
-                if not self.engine.has_work:
-                    continue
-            start = time.perf_counter()
-            wait_before = self.executor.timings.wait_s
-            self.step_started = time.monotonic()
-            try:
-                outputs = self.engine.step()
-            except Exception as e:
+                self._iterate()
+            except Exception as e:  # a failed step, or anything else: no caller may wait forever
                 self._fail_all(e)
                 return
-            finally:
-                self.step_started = None
-            self.busy_s += time.perf_counter() - start
-            self.wait_s += self.executor.timings.wait_s - wait_before
-            for out in outputs:
-                self._emit(out.request_id, out)
-                if out.finish_reason is not None:
-                    self._emit(out.request_id, None)
+
+    def _iterate(self) -> None:
+        try:
+            command = self.commands.get(timeout=0.5) if not self.engine.has_work else self.commands.get_nowait()
+            self._apply(command)
+            return
+        except queue.Empty:
+            if not self.engine.has_work:
+                return
+        start = time.perf_counter()
+        wait_before = self.executor.timings.wait_s
+        self.step_started = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        finally:
+            self.step_started = None
+        self.busy_s += time.perf_counter() - start
+        self.wait_s += self.executor.timings.wait_s - wait_before
+        for out in outputs:
+            self._emit(out.request_id, out)
+            if out.finish_reason is not None:
+                self._emit(out.request_id, None)
 
     def _fail_all(self, error: Exception) -> None:
         self.error = str(error)

@@ -1,4 +1,6 @@
 """The Ray execution path: TP worker actors + coordinator, on a local Ray cluster with CPU (gloo)."""
+import asyncio
+import queue
 import time
 
 import pytest
@@ -6,7 +8,8 @@ import ray
 import torch
 
 from speculative.config import EngineConfig, SamplingParams
-from speculative.coordinator import CoordinatorActor
+from speculative.coordinator import Coordinator, CoordinatorActor
+from speculative.scheduler import RequestError
 from speculative.executor import EngineDeadError
 from speculative.engine import LLMEngine, encode_prompt
 from tiny_models import tiny_llama as _tiny_llama
@@ -108,6 +111,50 @@ def test_killed_worker_fails_requests_then_engine_restarts(prompts, local_output
     ray.kill(coordinator)
     outputs, _ = run_coordinator(cfg, prompts)
     assert outputs == local_outputs
+
+
+def _drain(sink) -> list | Exception:
+    """A stream's outputs up to its end (None), or the exception that ended it."""
+    items = []
+    while (item := sink.get(timeout=60)) is not None:
+        if isinstance(item, Exception):
+            return item
+        items.append(item)
+    return items
+
+
+def test_request_ids_callers_and_shutdown(tmp_path):
+    """A duplicate id is refused without harming the request that holds it; aborting an id after its
+    request finished (as LLMServer does) leaves a new request with that id alone; a caller whose
+    event loop closed does not stop the loop; shutdown ends open requests with an error."""
+    model = _tiny_llama(tmp_path / "tiny", layers=2)
+    c = Coordinator(EngineConfig(model=str(model), drafter="none", max_batch_size=2, max_model_len=128, device="cpu"))
+    eight = SamplingParams(max_tokens=8, ignore_eos=True)
+    try:
+        first = queue.Queue()
+        c.add("x", [1, 2, 3], eight, first)
+        with pytest.raises(RequestError, match="already in use"):
+            c.add("x", [4, 5], eight, queue.Queue())
+        assert sum(len(o.new_token_ids) for o in _drain(first)) == 8
+        c.abort("x")  # x has finished: nothing to abort
+        second = queue.Queue()
+        c.add("x", [1, 2, 3], eight, second)
+        assert sum(len(o.new_token_ids) for o in _drain(second)) == 8
+
+        loop = asyncio.new_event_loop()
+        c.add("gone", [1, 2], SamplingParams(max_tokens=60, ignore_eos=True), asyncio.Queue(), loop)
+        loop.close()
+        third = queue.Queue()
+        c.add("y", [1, 2], eight, third)
+        assert sum(len(o.new_token_ids) for o in _drain(third)) == 8 and c.stats()["healthy"]
+
+        hanging = queue.Queue()
+        c.add("z", [1, 2], SamplingParams(max_tokens=100, ignore_eos=True), hanging)
+    finally:
+        c.shutdown()
+    assert isinstance(_drain(hanging), EngineDeadError)
+    with pytest.raises(EngineDeadError, match="shut down"):
+        c.add("late", [1], eight, queue.Queue())
 
 
 @ray.remote(num_cpus=1)
