@@ -61,6 +61,8 @@ def cmd_generate(args) -> None:
     if not args.input.is_file():
         raise SystemExit(f"error: input file {args.input} does not exist")
     rows = _read_jsonl(args.input)
+    if not rows:
+        raise SystemExit(f"error: {args.input}: no prompts")
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     cfg = _engine_config(args)
@@ -90,8 +92,11 @@ def run_to_completion(cfg, prompts: list[list[int]], params) -> list[dict]:
                  "acceptance_length": r.acceptance_length} for r in requests]
     import ray
     from speculative.coordinator import CoordinatorActor
+    from speculative.drafter import drafter_dir
     from speculative.executor import check_tp_size
-    check_tp_size(cfg)
+    check_tp_size(cfg)  # what fails here would fail in every worker, with Ray's tracebacks
+    if cfg.drafter not in ("none", "default"):
+        drafter_dir(cfg.drafter)
     address = os.environ.get("RAY_ADDRESS")
     num_cpus = None if address or cfg.device == "cuda" else _local_cpus(cfg.tp)
     ray.init(address=address, num_cpus=num_cpus, logging_level="WARNING", log_to_driver=False)
@@ -99,6 +104,8 @@ def run_to_completion(cfg, prompts: list[list[int]], params) -> list[dict]:
         coordinator = CoordinatorActor.remote(cfg)
         try:
             return ray.get(coordinator.generate.remote(prompts, params))
+        except ray.exceptions.RayTaskError as e:
+            raise (e.cause or e) from None  # the error itself (a bad request, say), not Ray's traceback
         finally:
             ray.get(coordinator.shutdown.remote())
     finally:
@@ -311,7 +318,8 @@ def main(argv=None) -> None:
     try:
         args.func(args)
     except ValidationError as e:
-        raise SystemExit(f"error: invalid setting: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}")
+        where = ".".join(str(p) for p in e.errors()[0]["loc"]) or "engine config"
+        raise SystemExit(f"error: invalid setting: {where}: {e.errors()[0]['msg']}")
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}")
 

@@ -289,14 +289,19 @@ def drafter_config_for(target_cfg, draft_vocab_size: int | None = None,
 DEFAULT_DRAFTERS = {"smollm2-135m": Path(__file__).parent / "drafters" / "smollm2-135m"}
 
 
+def drafter_dir(name: str) -> Path:
+    """A drafter given as a directory, or an error that says what is wrong with it."""
+    path = Path(name)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"drafter {name!r}: not 'default', 'none' or a directory with config.json")
+    return path
+
+
 def resolve_drafter(name: str, model: str, target_cfg) -> Path:
     """"default" -> the project's trained drafter for this model, else a random-weight drafter
     (acceptance near zero, output still exact); anything else is a drafter directory."""
     if name != "default":
-        path = Path(name)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"drafter {name!r}: not 'default', 'none' or a directory with config.json")
-        return path
+        return drafter_dir(name)
     trained = DEFAULT_DRAFTERS.get(model)
     if trained is not None and (trained / "config.json").is_file():
         return trained

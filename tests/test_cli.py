@@ -60,6 +60,10 @@ def test_drafter_none_is_plain_and_identical(outputs):
     ("no-prompt", '{"id": 1, "text": "hi"}\n', [], r"no-prompt\.jsonl:1: each row needs a string field 'prompt'"),
     ("temperature", '{"prompt": "hi"}\n', ["--temperature", 5], r"temperature: .*less than or equal to 2"),
     ("top-p", '{"prompt": "hi"}\n', ["--top-p", 0], r"top_p: .*greater than 0"),
+    ("empty", "\n", [], r"empty\.jsonl: no prompts"),
+    ("max-model-len", '{"prompt": "hi"}\n', ["--max-model-len", 5000],
+     r"invalid setting: engine config: .*max_num_batched_tokens"),
+    ("tp-drafter", '{"prompt": "hi"}\n', ["--tp", 3, "--drafter", "/nonexistent"], r"drafter '/nonexistent'"),
 ])
 def test_bad_input_exits_with_a_message(tmp_path, case, content, args, message):
     path = tmp_path / f"{case}.jsonl"
