@@ -223,7 +223,10 @@ class OpenAIIngress:
                 async for item in deltas():
                     observe(item)
                     if item.text_delta or item.finish_reason:
-                        yield f"data: {json.dumps(make_chunk(item.text_delta, item.finish_reason))}\n\n"
+                        chunk = make_chunk(item.text_delta, item.finish_reason)
+                        if include_usage:  # OpenAI: every chunk has the field, null until the last
+                            chunk["usage"] = None
+                        yield f"data: {json.dumps(chunk)}\n\n"
                 if include_usage:
                     yield f"data: {json.dumps(make_chunk(None, None, usage(len(prompt_ids), state['tokens'])))}\n\n"
                 yield "data: [DONE]\n\n"

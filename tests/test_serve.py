@@ -68,14 +68,19 @@ def test_chat_streaming_equals_non_streaming(client, alone):
 
 
 def test_sse_wire_format_ends_with_done(base_url):
-    body = {"model": MODEL, "prompt": "The sky is", "max_tokens": 8, "temperature": 0, "stream": True}
+    body = {"model": MODEL, "prompt": "The sky is", "max_tokens": 8, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120,
                       headers={"Authorization": f"Bearer {KEY}"}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
     assert events[-1] == "data: [DONE]"
     assert all(e.startswith("data: ") for e in events)
-    assert json.loads(events[0][6:])["object"] == "text_completion"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert chunks[0]["object"] == "text_completion"
+    # with include_usage, every chunk has "usage": null but the last, which has the counts and no choices
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["usage"]["completion_tokens"] == 8 and chunks[-1]["choices"] == []
 
 
 def test_completions(client):
