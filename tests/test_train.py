@@ -29,6 +29,13 @@ QUESTIONS = ["How many legs do 3 cats have?", "What is 7 times 8?", "Name a red 
              "Count from one to five.", "Is the sky blue?", "What is 10 minus 4?", "Say hello twice."]
 
 
+def questions_file(directory):
+    """QUESTIONS as a JSONL prompt file in `directory`."""
+    path = directory / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
+    return path
+
+
 def test_ttt_mask_matches_inference_cache():
     # depth 2, T 5: the query at t reads depth-0 keys <= t-2, the depth-1 key at t-1, its own at t
     m = ttt_mask(5, 2, "cpu").view(5, 3, 5)
@@ -128,8 +135,7 @@ def test_loss_on_selected_rows_equals_loss_over_every_row(prompt_weight):
 def test_distillation_keeps_undistilled_prompts(tmp_path):
     """With keep_undistilled_prompts, prompts past num_prompts become response-free sequences."""
     model = tiny_target(tmp_path / "target")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
+    prompts = questions_file(tmp_path)
     engine = LLMEngine(EngineConfig(model=str(model), drafter="none", max_batch_size=4, max_model_len=256,
                                     device="cpu"))
     cfg = DistillConfig(prompt_files=[str(prompts)], num_prompts=3, max_tokens=8, sampled_fraction=0.0,
@@ -146,8 +152,7 @@ def test_distillation_continues_in_parts(tmp_path):
     stopped: every prompt once across the parts, and nothing more once the order is used up; with
     skip_prompts, a run continues the order of parts it does not have."""
     model = tiny_target(tmp_path / "target")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
+    prompts = questions_file(tmp_path)
     cfg = TrainConfig(model=str(model), output=str(tmp_path / "drafter"), data=str(tmp_path / "data"), device="cpu",
                       distill=DistillConfig(prompt_files=[str(prompts)], num_prompts=3, max_tokens=8,
                                             sampled_fraction=0.0, max_batch_size=4, max_prompt_len=128))
@@ -177,8 +182,7 @@ def test_distillation_passes(tmp_path):
     """With two passes the order runs twice, continuing across parts: the first pass greedy, the
     second sampled, each prompt once per pass."""
     model = tiny_target(tmp_path / "target")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
+    prompts = questions_file(tmp_path)
     n = len(QUESTIONS)
     distill = DistillConfig(prompt_files=[str(prompts)], num_prompts=n + 3, num_passes=2, max_tokens=8,
                             sampled_fraction=0.0, temperature=1.5, max_batch_size=4, max_prompt_len=128)
@@ -206,8 +210,7 @@ def test_distillation_in_processes_equals_one_engine(tmp_path):
     order, the sampled second pass included (each request has its own seed); with num_prompts
     short of the order, they take its first prompts."""
     model = tiny_target(tmp_path / "target")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
+    prompts = questions_file(tmp_path)
     distill = DistillConfig(prompt_files=[str(prompts)], num_prompts=len(QUESTIONS) + 5, num_passes=2, max_tokens=8,
                             sampled_fraction=0.0, temperature=1.5, max_batch_size=2, max_prompt_len=128)
     seqs = []
@@ -225,8 +228,7 @@ def test_distillation_process_that_dies_fails_the_run(tmp_path):
     """An engine process that fails (here: prompts longer than its max_model_len) fails the whole
     distillation with an error instead of leaving the others waiting."""
     model = tiny_target(tmp_path / "target")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
+    prompts = questions_file(tmp_path)
     engine_cfg = EngineConfig(model=str(model), drafter="none", device="cpu", max_batch_size=2, max_model_len=16)
     distill = DistillConfig(prompt_files=[str(prompts)], num_prompts=4, max_tokens=8, max_batch_size=2, num_workers=2)
     with pytest.raises(RuntimeError, match="process died"):
@@ -238,8 +240,7 @@ def test_cli_distill_only(tmp_path):
     in OUTPUT.data, a trailing slash or not) and trains nothing; here with two engine processes,
     which the CLI module, run with -m, must be able to spawn."""
     model = tiny_target(tmp_path / "target")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
+    prompts = questions_file(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "deployments.cli", "train-drafter", "--model", str(model),
                            "-o", f"{tmp_path / 'drafter'}/", "--prompts", str(prompts),
                            "--num-prompts", "5", "--distill-time-limit", "60", "--distill-workers", "2", "--device", "cpu",
@@ -337,8 +338,7 @@ def tiny_target(path):
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
     model = tiny_target(root / "target")
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
+    prompts = questions_file(root)
     cfg = TrainConfig(model=str(model), output=str(root / "drafter"), data=str(root / "data"),
                       distill=DistillConfig(prompt_files=[str(prompts)], max_tokens=48, sampled_fraction=0.0,
                                             max_batch_size=8, max_prompt_len=128),
