@@ -78,7 +78,7 @@ class _SamplingRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, le=2**31 - 1)  # any k over the vocabulary is no cut; over int64 it failed the step
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=128)  # choices, each a request of its own (OpenAI's limit)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Annotated[str | list[str] | None, _STOP] = None

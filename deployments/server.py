@@ -1,6 +1,7 @@
 """The Ray Serve application: the OpenAI-compatible FastAPI ingress in front of the LLM server
 deployment (deployments/llm_server.py)."""
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -78,6 +79,32 @@ def _as_api_error(e: Exception) -> APIError:
                     headers={"Retry-After": "5"})
 
 
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index` of a request: a seeded request's choices are seeded apart (as vLLM does)."""
+    if index == 0 or params.seed is None:
+        return params
+    return params.model_copy(update={"seed": (params.seed + index) % 2**63})
+
+
+async def _merged(streams: list):
+    """(index, item) from several async iterators, each's items in order, as they arrive."""
+    pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(streams[i].__anext__())] = i
+                yield i, item
+    finally:
+        for task in pending:
+            task.cancel()
+
+
 @serve.deployment
 @serve.ingress(api)
 class OpenAIIngress:
@@ -127,6 +154,9 @@ class OpenAIIngress:
         if req.model != self.cfg.model_name:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.cfg.model_name!r}",
                            param="model", code="model_not_found")
+        if req.n > (capacity := self.cfg.engine.max_batch_size + self.cfg.max_waiting_requests):
+            raise APIError(400, f"n is {req.n}; a replica of this server takes at most {capacity} requests at once",
+                           param="n", code="invalid_value")
         return req
 
     def _sampling(self, req, prompt_ids: list[int], max_tokens: int | None, prompt_param: str) -> SamplingParams:
@@ -175,65 +205,89 @@ class OpenAIIngress:
             # until Serve notices the failure it may route to the failed replica again
             await asyncio.sleep(min(0.25 * 2 ** attempt, 2.0))
 
-    async def _run(self, request: Request, prompt_ids, params, stream: bool, make_chunk, make_full,
+    async def _run(self, request: Request, prompt_ids, params, n: int, stream: bool, make_chunk, make_full,
                    include_usage: bool):
+        """Generate n choices (requests of their own; a seeded request's choice i has seed + i) and
+        answer with all of them, or stream their chunks as they come."""
         rid = f"{request.state.request_id}/{uuid.uuid4().hex[:8]}"
         start = time.perf_counter()
-        current = [None]
-        outputs = self._generate(rid, prompt_ids, params, current)
-        try:
-            first = await outputs.__anext__()
-        except StopAsyncIteration:
-            first = None
-        except Exception as e:
-            raise _as_api_error(e) from None
+        currents = [[None] for _ in range(n)]
+        outputs = [self._generate(rid if n == 1 else f"{rid}-{i}", prompt_ids, _choice_params(params, i), currents[i])
+                   for i in range(n)]
+
+        def cancel_all():
+            for current in currents:
+                if current[0] is not None:
+                    current[0].cancel()
+
+        async def first(output):
+            try:
+                return await output.__anext__()
+            except StopAsyncIteration:
+                return None
+        # errors before the first output (overload, bad input, no replica) become the HTTP status
+        firsts = await asyncio.gather(*(first(o) for o in outputs), return_exceptions=True)
+        if errors := [e for e in firsts if isinstance(e, BaseException)]:
+            cancel_all()
+            raise _as_api_error(errors[0]) from None
         self.metrics.prompt_tokens += len(prompt_ids)
-        state = {"tokens": 0, "last": start, "finish": None}
+        states = [{"tokens": 0, "last": start, "finish": None} for _ in range(n)]
+
+        async def choice(i):
+            if firsts[i] is not None:
+                yield firsts[i]
+            async for item in outputs[i]:
+                yield item
 
         async def deltas():
-            if first is not None:
-                yield first
+            merged = _merged([choice(i) for i in range(n)])
             try:
-                async for item in outputs:
-                    yield item
+                async for i, item in merged:
+                    yield i, item
             except Exception as e:  # a non-streamed reply then fails with an OpenAI-style error too
                 raise _as_api_error(e) from None
+            finally:
+                await merged.aclose()
+                cancel_all()
 
-        def observe(item):
-            t = time.perf_counter()
+        def observe(i, item):
+            t, state = time.perf_counter(), states[i]
             if item.new_token_ids:
-                if state["tokens"] == 0:
+                if not any(s["tokens"] for s in states):
                     self.metrics.ttft.observe(t - start)
-                else:
+                elif state["tokens"]:
                     self.metrics.itl.observe((t - state["last"]) / len(item.new_token_ids))
                 state["last"] = t
             state["tokens"] += len(item.new_token_ids)
             self.metrics.completion_tokens += len(item.new_token_ids)
             state["finish"] = item.finish_reason or state["finish"]
 
+        def total_usage():
+            return usage(len(prompt_ids), sum(s["tokens"] for s in states))
+
         if not stream:
-            text = []
-            async for item in deltas():
-                observe(item)
-                text.append(item.text_delta)
-            return make_full("".join(text), state["finish"], usage(len(prompt_ids), state["tokens"]))
+            texts = [[] for _ in range(n)]
+            async with contextlib.aclosing(deltas()) as items:
+                async for i, item in items:
+                    observe(i, item)
+                    texts[i].append(item.text_delta)
+            return make_full([("".join(t), s["finish"]) for t, s in zip(texts, states)], total_usage())
 
         async def sse():
             try:
-                async for item in deltas():
-                    observe(item)
-                    if item.text_delta or item.finish_reason:
-                        chunk = make_chunk(item.text_delta, item.finish_reason)
-                        if include_usage:  # OpenAI: every chunk has the field, null until the last
-                            chunk["usage"] = None
-                        yield f"data: {json.dumps(chunk)}\n\n"
+                async with contextlib.aclosing(deltas()) as items:  # closed (requests cancelled) if the client goes
+                    async for i, item in items:
+                        observe(i, item)
+                        if item.text_delta or item.finish_reason:
+                            chunk = make_chunk(i, item.text_delta, item.finish_reason)
+                            if include_usage:  # OpenAI: every chunk has the field, null until the last
+                                chunk["usage"] = None
+                            yield f"data: {json.dumps(chunk)}\n\n"
                 if include_usage:
-                    yield f"data: {json.dumps(make_chunk(None, None, usage(len(prompt_ids), state['tokens'])))}\n\n"
+                    yield f"data: {json.dumps(make_chunk(None, None, None, total_usage()))}\n\n"
                 yield "data: [DONE]\n\n"
             except Exception as e:  # the stream already started: report in-band, OpenAI style
                 yield f"data: {json.dumps(_as_api_error(e).body())}\n\n"
-            finally:
-                current[0].cancel()
         return StreamingResponse(sse(), media_type="text/event-stream")
 
     @api.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
@@ -244,27 +298,28 @@ class OpenAIIngress:
                                                      "content": m.text()} for m in req.messages])
         params = self._sampling(req, prompt_ids, req.max_completion_tokens or req.max_tokens, "messages")
         cid, created = completion_id("chatcmpl"), now()
-        sent_role = []
+        sent_role = set()  # choices whose first chunk went out
 
-        def chunk(text, finish, usage_=None):
+        def chunk(index, text, finish, usage_=None):
             body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.cfg.model_name,
                     "choices": []}
             if usage_ is not None:
                 body["usage"] = usage_
                 return body
             delta = {"content": text} if text else {}
-            if not sent_role:
+            if index not in sent_role:
                 delta["role"] = "assistant"
-                sent_role.append(True)
-            body["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+                sent_role.add(index)
+            body["choices"] = [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}]
             return body
 
-        def full(text, finish, usage_):
+        def full(choices, usage_):
             return {"id": cid, "object": "chat.completion", "created": created, "model": self.cfg.model_name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "finish_reason": finish, "logprobs": None}], "usage": usage_}
+                    "choices": [{"index": i, "message": {"role": "assistant", "content": text},
+                                 "finish_reason": finish, "logprobs": None} for i, (text, finish) in enumerate(choices)],
+                    "usage": usage_}
         include = bool(req.stream_options and req.stream_options.include_usage)
-        return await self._run(request, prompt_ids, params, req.stream, chunk, full, include)
+        return await self._run(request, prompt_ids, params, req.n, req.stream, chunk, full, include)
 
     @api.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
     async def completions(self, request: Request):
@@ -281,19 +336,20 @@ class OpenAIIngress:
         params = self._sampling(req, prompt_ids, req.max_tokens, "prompt")
         cid, created = completion_id("cmpl"), now()
 
-        def chunk(text, finish, usage_=None):
+        def chunk(index, text, finish, usage_=None):
             body = {"id": cid, "object": "text_completion", "created": created, "model": self.cfg.model_name,
-                    "choices": [] if usage_ else [{"index": 0, "text": text or "", "finish_reason": finish,
+                    "choices": [] if usage_ else [{"index": index, "text": text or "", "finish_reason": finish,
                                                    "logprobs": None}]}
             if usage_:
                 body["usage"] = usage_
             return body
 
-        def full(text, finish, usage_):
+        def full(choices, usage_):
             return {"id": cid, "object": "text_completion", "created": created, "model": self.cfg.model_name,
-                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}], "usage": usage_}
+                    "choices": [{"index": i, "text": text, "finish_reason": finish, "logprobs": None}
+                                for i, (text, finish) in enumerate(choices)], "usage": usage_}
         include = bool(req.stream_options and req.stream_options.include_usage)
-        return await self._run(request, prompt_ids, params, req.stream, chunk, full, include)
+        return await self._run(request, prompt_ids, params, req.n, req.stream, chunk, full, include)
 
     def _model_card(self) -> dict:
         return {"id": self.cfg.model_name, "object": "model", "created": now(), "owned_by": "eagleserve"}

@@ -91,6 +91,33 @@ def test_completions(client):
     assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
 
 
+def test_n_choices_are_seeded_requests(client, alone):
+    """Choice i of a seeded request is the request with seed + i; streamed, the choices interleave by
+    index and equal the non-streamed ones. (top_k keeps the draws off the float32 noise of the
+    distribution's tail, which changes with the batch's shape.)"""
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0, extra_body={"top_k": 5},
+              seed=7)
+    r = client.completions.create(n=3, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    single = [client.completions.create(**{**kw, "seed": 7 + i}) for i in range(3)]
+    assert [c.text for c in r.choices] == [s.choices[0].text for s in single]
+    assert len({c.text for c in r.choices}) > 1  # sampled apart
+    assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in single)
+    assert r.usage.prompt_tokens == single[0].usage.prompt_tokens
+
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Name a color."}], max_tokens=10, temperature=1.0,
+              extra_body={"top_k": 5}, seed=3, n=2)
+    stream = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    full = client.chat.completions.create(**kw)
+    for i, choice in enumerate(full.choices):
+        deltas = [c.choices[0] for c in stream if c.choices and c.choices[0].index == i]
+        assert deltas[0].delta.role == "assistant" and deltas[-1].finish_reason == choice.finish_reason
+        assert "".join(d.delta.content or "" for d in deltas) == choice.message.content
+    assert stream[-1].usage.completion_tokens == full.usage.completion_tokens
+    greedy = chat(client, QUESTIONS[3], n=2)
+    assert [c.message.content for c in greedy.choices] == [alone[QUESTIONS[3]]] * 2
+
+
 def _post(base_url, path, content, key=KEY, headers=None):
     h = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
     return httpx.post(f"{base_url}{path}", content=content, headers=h, timeout=180)
@@ -103,7 +130,9 @@ BAD_REQUESTS = [
                                               "max_tokens": 0}, 400),
     ("temperature 3", "/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 3}, 400),
     ("unknown model", "/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404),
-    ("n > 1", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2}, 400),
+    ("n over OpenAI's 128", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                      "n": 129}, 400),
+    ("n over a replica's slots + queue", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 25}, 400),
     ("logprobs", "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400),
     ("unknown option", "/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, 400),
     ("prompt too long", "/v1/completions", {"model": MODEL, "prompt": "hello " * 600}, 400),
