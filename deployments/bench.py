@@ -26,11 +26,21 @@ def load_prompts(path: str | None, num: int) -> list[str]:
     opener = gzip.open if path.suffix == ".gz" else open
     prompts = []
     with opener(path, "rt") as f:
-        for line in f:
-            row = json.loads(line)
-            prompts.append(row.get("prompt") or row.get("question") or row["turns"][0])
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                prompt = row["prompt"] if "prompt" in row else row["question"] if "question" in row else row["turns"][0]
+            except (ValueError, TypeError, KeyError, IndexError):
+                prompt = None
+            if not isinstance(prompt, str) or not prompt:
+                raise ValueError(f"{path}:{number}: expected a JSON object with a non-empty prompt, question or turns[0]")
+            prompts.append(prompt)
             if len(prompts) == num:
                 break
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
     return prompts
 
 
@@ -118,8 +128,8 @@ def run_load(coordinator, prompts: list[list[int]], params: SamplingParams, conc
             if n:
                 if item.request_id not in first_at:
                     first_at[item.request_id] = now
-                else:
-                    itl.append((now - last_at[item.request_id]) / n)
+                else:  # a value per token: a step's accepted drafts arrive together
+                    itl += [(now - last_at[item.request_id]) / n] * n
                 last_at[item.request_id] = now
                 tokens += n
             if item.finish_reason is not None:
@@ -154,10 +164,13 @@ def bench(model: str, drafter: str, ks: list[int], modes: list[str], graphs: lis
     from speculative.engine import encode_prompt
     from workers.loader import load_tokenizer, resolve_model
     tokenizer = load_tokenizer(resolve_model(model))
+    if tokenizer is None:
+        raise ValueError(f"model {model!r} has no tokenizer to encode the benchmark's prompts")
     prompts = [encode_prompt(tokenizer, p) for p in prompts_text]
     params = SamplingParams(max_tokens=output_len, ignore_eos=ignore_eos)
     engines = [(m, k, g) for m in modes for k in (ks if m == "eagle" else [0]) for g in graphs]
     runs = []
+    # plain decoding runs once per batch size, with the first overlap setting asked for
     bar = tqdm(total=sum(len(batches) * (len(overlaps) if m == "eagle" else 1) for m, _, _ in engines), desc="bench")
     for mode, k, use_graphs in engines:
         cfg = EngineConfig(model=model, drafter=drafter if mode == "eagle" else "none", num_draft_tokens=max(k, 1),
@@ -169,7 +182,7 @@ def bench(model: str, drafter: str, ks: list[int], modes: list[str], graphs: lis
         startup_s = time.perf_counter() - start
         try:
             run_load(coordinator, prompts[:2], params, 2)  # warm-up
-            for batch, overlap in itertools.product(batches, overlaps if mode == "eagle" else [True]):
+            for batch, overlap in itertools.product(batches, overlaps if mode == "eagle" else overlaps[:1]):
                 coordinator.engine.overlap = overlap
                 n = max(prompts_per_batch, 2 * batch)
                 result = run_load(coordinator, (prompts * (n // len(prompts) + 1))[:n], params, batch,
@@ -193,10 +206,13 @@ def print_table(runs: list[dict]) -> None:
     def percent(x):
         return f"{x:.0%}" if x is not None else "-"
 
+    def ms(x, digits):
+        return f"{x:.{digits}f}m" if x is not None else "-"
+
     for r in runs:
         print(f"{r['mode']:6} {r['k']:>2} {str(r['cuda_graphs']):>6} {str(r['overlap']):>4} {r['batch']:>5} "
               f"{r['output_tokens_per_s']:>9.1f} {r['requests_per_s']:>7.2f} {r['mean_acceptance_length']:>7.2f} "
-              f"{r['ttft_ms']['p50'] or 0:>8.1f}m {r['itl_ms']['p50'] or 0:>7.2f}m {percent(r['gpu_busy_fraction']):>8} "
+              f"{ms(r['ttft_ms']['p50'], 1):>9} {ms(r['itl_ms']['p50'], 2):>8} {percent(r['gpu_busy_fraction']):>8} "
               f"{percent(r['nvml_busy_fraction']):>5} {r['extra_pass_share']:>6.1%}")
 
 

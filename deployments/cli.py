@@ -174,12 +174,18 @@ def cmd_bench(args) -> None:
 
     from deployments import bench
     on = {"on": [True], "off": [False], "both": [True, False]}
+    try:
+        ks, batches = [int(k) for k in args.k.split(",")], [int(b) for b in args.batch.split(",")]
+    except ValueError:
+        raise ValueError("-k and --batch take integers, comma-separated") from None
+    modes = args.modes.split(",")
+    if min(ks) < 1 or min(batches) < 1 or not set(modes) <= {"plain", "eagle"}:
+        raise ValueError("-k and --batch values must be >= 1, and --modes holds plain and/or eagle")
     prompts = bench.load_prompts(args.dataset, max(args.num_prompts, 1))
     ray.init(address=os.environ.get("RAY_ADDRESS"), num_cpus=None if args.device == "cuda" else _local_cpus(1),
              logging_level="WARNING", log_to_driver=False)
     try:
-        runs = bench.bench(args.model, args.drafter, [int(k) for k in args.k.split(",")], args.modes.split(","),
-                           on[args.cuda_graphs], on[args.overlap], [int(b) for b in args.batch.split(",")], prompts,
+        runs = bench.bench(args.model, args.drafter, ks, modes, on[args.cuda_graphs], on[args.overlap], batches, prompts,
                            args.output_len, args.ignore_eos, args.device, args.max_model_len, args.num_prompts,
                            graph_first_draft=args.graph_first_draft, prompt_lookup=args.prompt_lookup)
     finally:

@@ -28,6 +28,7 @@ class RequestResult:
     chunks: list[float] = field(default_factory=list)  # every chunk carrying text (ITL = their gaps)
     done: float | None = None                        # `data: [DONE]`
     num_tokens: int = 0                              # usage.completion_tokens, else text chunks
+    tokens_estimated: bool = False                   # no usage: num_tokens counts text chunks
     error: str | None = None                         # "429", "401", "timeout", "connection", "stream_error"
 
 
@@ -70,12 +71,13 @@ async def send_one(client: httpx.AsyncClient, url: str, body: dict, timeout_s: f
                     r.error = str(resp.status_code)
                     return r
                 async for line in resp.aiter_lines():
-                    if not line.startswith("data: "):
+                    if not line.startswith("data:"):  # SSE: the space after the colon is optional
                         continue
-                    if line == "data: [DONE]":
+                    data = line[5:].strip()
+                    if data == "[DONE]":
                         r.done = time.perf_counter()
                         break
-                    event = json.loads(line[6:])
+                    event = json.loads(data)
                     if "error" in event:  # the stream had started: errors come in-band
                         r.error = "stream_error"
                         return r
@@ -88,12 +90,14 @@ async def send_one(client: httpx.AsyncClient, url: str, body: dict, timeout_s: f
         r.error = "timeout"
     except httpx.TransportError:
         r.error = "connection"
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, TypeError, AttributeError, IndexError):  # not the events a stream must send
         r.error = "stream_error"
     if r.error is None and r.done is None:
         r.error = "stream_error"  # ended without [DONE]
     r.first = r.chunks[0] if r.chunks else None
-    r.num_tokens = usage["completion_tokens"] if usage else num_text_chunks
+    counted = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    r.tokens_estimated = not isinstance(counted, int)
+    r.num_tokens = num_text_chunks if r.tokens_estimated else counted
     return r
 
 
@@ -146,7 +150,7 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
     return {
         "num_requests": len(results), "num_ok": len(ok),
         "errors": dict(Counter(r.error for r in results if r.error is not None)),
-        "output_tokens": tokens, "wall_s": wall_s,
+        "output_tokens": tokens, "tokens_estimated": any(r.tokens_estimated for r in ok), "wall_s": wall_s,
         "output_tokens_per_s": tokens / wall_s, "requests_per_s": len(ok) / wall_s,
         "ttft_ms": _percentiles([r.first - r.sent for r in ok if r.first is not None]),
         # a chunk may carry several tokens (accepted drafts): this is the gap between chunks
@@ -160,6 +164,8 @@ def loadtest(url: str, prompts: list[str], *, concurrency: list[int] | None = No
              max_tokens: int = 64, temperature: float = 0.0, ignore_eos: bool = False, timeout_s: float = 120.0,
              api_key: str | None = None, seed: int = 0) -> list[dict]:
     """One summary per level: every concurrency in `concurrency`, or every rate in `rate`."""
+    if not prompts:
+        raise ValueError("no prompts to send")
     bodies = [request_body(endpoint, model, prompts[i % len(prompts)], max_tokens, temperature, ignore_eos)
               for i in range(num_requests)]
     levels = [("concurrency", c) for c in concurrency] if concurrency else [("rate", r) for r in rate]
@@ -184,6 +190,8 @@ def print_table(runs: list[dict]) -> None:
               f"{ms(r['ttft_ms']['p50']):>9} {ms(r['ttft_ms']['p99']):>9} {ms(r['itl_ms']['p50']):>8} "
               f"{ms(r['itl_ms']['p99']):>8} {ms(r['e2e_ms']['p50']):>9} {ms(r['e2e_ms']['p99']):>9}")
     print("(latencies in ms; itl is the gap between streamed chunks)")
+    if any(r["tokens_estimated"] for r in runs):
+        print("(the server sent no usage: output tokens are counted as text chunks, an underestimate)")
 
 
 def plot(runs: list[dict], path: Path) -> bool:

@@ -95,6 +95,17 @@ def test_bench_writes_table_and_json(tmp_path):
     assert "tok/s" in proc.stdout and out.with_suffix(".png").is_file()
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--modes", "spec"], "--modes holds plain and/or eagle"),
+    (["-k", "0"], "-k and --batch values must be >= 1"),
+    (["--batch", "0,2"], "-k and --batch values must be >= 1"),
+    (["--batch", "two"], "-k and --batch take integers"),
+])
+def test_bench_refuses_bad_arguments(args, message):
+    proc = eagleserve("bench", "--device", "cpu", *args, timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr and message in proc.stderr, proc.stderr[-1000:]
+
+
 def test_gpu_utilization_is_the_busiest_gpus_mean(monkeypatch):
     """The NVML poller averages each GPU's utilization over the polls and reports the busiest GPU."""
     import types

@@ -1,9 +1,11 @@
 """`eagleserve loadtest` against a real Ray Serve app (a tiny random Llama with SmolLM2's tokenizer,
 on loopback): counts, latencies and error kinds, the JSON/plot output, the loopback-only guard."""
 import asyncio
+import http.server
 import json
 import subprocess
 import sys
+import threading
 
 import httpx
 import pytest
@@ -113,3 +115,50 @@ def test_non_loopback_url_is_refused():
     assert loadtest.check_url("https://cluster.example.com", allow_remote=True) == "https://cluster.example.com"
     with pytest.raises(ValueError, match="not an http"):
         loadtest.check_url("127.0.0.1:8000", allow_remote=False)
+
+
+def test_prompt_files_are_checked(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a"}\n\n{"question": "b", "prompt": "c"}\n{"turns": ["d"]}\n')
+    assert load_prompts(str(path), 10) == ["a", "c", "d"]  # blank lines skipped; "prompt" wins when present
+    path.write_text('{"prompt": "a"}\n{"prompt": ""}\n')
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: expected a JSON object with a non-empty prompt"):
+        load_prompts(str(path), 10)
+    path.write_text("\n")
+    with pytest.raises(ValueError, match="holds no prompts"):
+        load_prompts(str(path), 10)
+
+
+STREAMS = {  # model name -> the SSE body a misbehaving server sends
+    "no-space": 'data:{"choices": [{"text": "hi"}]}\n\ndata:{"choices": [], "usage": {"completion_tokens": 3}}\n\n'
+                "data:[DONE]\n\n",
+    "null-event": "data: null\n\ndata: [DONE]\n\n",
+    "no-usage": 'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n',
+}
+
+
+class _Misbehaving(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.end_headers()
+        self.wfile.write(STREAMS[body["model"]].encode())
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_misbehaving_stream_is_counted_not_a_crash():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Misbehaving)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        runs = {m: loadtest.loadtest(url, ["x"], concurrency=[1], num_requests=2, model=m, endpoint="completions",
+                                     timeout_s=10)[0] for m in STREAMS}
+    finally:
+        server.shutdown()
+    assert runs["no-space"]["num_ok"] == 2 and runs["no-space"]["output_tokens"] == 6  # SSE's space is optional
+    assert not runs["no-space"]["tokens_estimated"]
+    assert runs["null-event"]["errors"] == {"stream_error": 2}
+    assert runs["no-usage"]["output_tokens"] == 4 and runs["no-usage"]["tokens_estimated"]
