@@ -85,7 +85,6 @@ class _SamplingRequest(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
-    logprobs: bool | int | None = None
     ignore_eos: bool = False
     user: str | None = None
 
@@ -106,13 +105,6 @@ class _SamplingRequest(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v is not None and v is not False:  # 0 asks for the sampled tokens' logprobs
-            raise ValueError("logprobs are not supported")
-        return v
-
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, v):
@@ -121,21 +113,41 @@ class _SamplingRequest(BaseModel):
             raise ValueError("stop must be up to 4 non-empty strings")
         return stops
 
+    def num_logprobs(self) -> int | None:
+        """None: no log-probabilities; else the sampled token's and this many top ones."""
+        return None
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                               max_tokens=self.max_tokens or default_max_tokens, stop=self.stop or [],
-                              ignore_eos=self.ignore_eos)
+                              ignore_eos=self.ignore_eos, logprobs=self.num_logprobs())
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v, info):
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs is only allowed when logprobs is true")
+        return v
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: Annotated[str | list[str] | list[Annotated[int, Strict()]], _PROMPT]  # strict: no booleans
     echo: bool = Field(False)
     max_tokens: int | None = Field(16, ge=1)
+    logprobs: Annotated[int, Strict()] | None = Field(None, ge=0, le=20)  # OpenAI's limit is 5, vLLM's 20
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -158,7 +170,7 @@ class CompletionRequest(_SamplingRequest):
 
 KNOWN_FIELDS = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
 IGNORED_FIELDS = {"logit_bias", "response_format", "tools", "tool_choice", "parallel_tool_calls", "metadata",
-                  "store", "service_tier", "top_logprobs", "suffix", "best_of", "prediction", "modalities",
+                  "store", "service_tier", "suffix", "best_of", "prediction", "modalities",
                   "reasoning_effort", "audio", "web_search_options"}
 DEFAULT_VALUES = (None, False, [], {}, {"type": "text"})  # what those fields may hold: what we do anyway
 

@@ -208,7 +208,9 @@ class OpenAIIngress:
     async def _run(self, request: Request, prompt_ids, params, n: int, stream: bool, make_chunk, make_full,
                    include_usage: bool):
         """Generate n choices (requests of their own; a seeded request's choice i has seed + i) and
-        answer with all of them, or stream their chunks as they come."""
+        answer with all of them, or stream their chunks as they come. make_chunk(index, text, finish,
+        logprobs) and make_full([(text, finish, logprobs)], usage) shape the bodies; logprobs are
+        [(token id, (log-probability, top [(id, log-probability)]))], or None when not asked for."""
         rid = f"{request.state.request_id}/{uuid.uuid4().hex[:8]}"
         start = time.perf_counter()
         currents = [[None] for _ in range(n)]
@@ -265,26 +267,31 @@ class OpenAIIngress:
         def total_usage():
             return usage(len(prompt_ids), sum(s["tokens"] for s in states))
 
+        def token_logprobs(item):
+            return list(zip(item.new_token_ids, item.logprobs or [])) if params.logprobs is not None else None
+
         if not stream:
-            texts = [[] for _ in range(n)]
+            texts, logprobs = [[] for _ in range(n)], [[] for _ in range(n)]
             async with contextlib.aclosing(deltas()) as items:
                 async for i, item in items:
                     observe(i, item)
                     texts[i].append(item.text_delta)
-            return make_full([("".join(t), s["finish"]) for t, s in zip(texts, states)], total_usage())
+                    logprobs[i] += token_logprobs(item) or []
+            return make_full([("".join(t), s["finish"], lp if params.logprobs is not None else None)
+                              for t, s, lp in zip(texts, states, logprobs)], total_usage())
 
         async def sse():
             try:
                 async with contextlib.aclosing(deltas()) as items:  # closed (requests cancelled) if the client goes
                     async for i, item in items:
                         observe(i, item)
-                        if item.text_delta or item.finish_reason:
-                            chunk = make_chunk(i, item.text_delta, item.finish_reason)
+                        if item.text_delta or item.finish_reason or item.new_token_ids and params.logprobs is not None:
+                            chunk = make_chunk(i, item.text_delta, item.finish_reason, token_logprobs(item))
                             if include_usage:  # OpenAI: every chunk has the field, null until the last
                                 chunk["usage"] = None
                             yield f"data: {json.dumps(chunk)}\n\n"
                 if include_usage:
-                    yield f"data: {json.dumps(make_chunk(None, None, None, total_usage()))}\n\n"
+                    yield f"data: {json.dumps(make_chunk(None, None, None, None, total_usage()))}\n\n"
                 yield "data: [DONE]\n\n"
             except Exception as e:  # the stream already started: report in-band, OpenAI style
                 yield f"data: {json.dumps(_as_api_error(e).body())}\n\n"
@@ -300,7 +307,7 @@ class OpenAIIngress:
         cid, created = completion_id("chatcmpl"), now()
         sent_role = set()  # choices whose first chunk went out
 
-        def chunk(index, text, finish, usage_=None):
+        def chunk(index, text, finish, logprobs, usage_=None):
             body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.cfg.model_name,
                     "choices": []}
             if usage_ is not None:
@@ -310,13 +317,15 @@ class OpenAIIngress:
             if index not in sent_role:
                 delta["role"] = "assistant"
                 sent_role.add(index)
-            body["choices"] = [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}]
+            body["choices"] = [{"index": index, "delta": delta, "finish_reason": finish,
+                                "logprobs": self._chat_logprobs(logprobs)}]
             return body
 
         def full(choices, usage_):
             return {"id": cid, "object": "chat.completion", "created": created, "model": self.cfg.model_name,
-                    "choices": [{"index": i, "message": {"role": "assistant", "content": text},
-                                 "finish_reason": finish, "logprobs": None} for i, (text, finish) in enumerate(choices)],
+                    "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                                 "logprobs": self._chat_logprobs(logprobs)}
+                                for i, (text, finish, logprobs) in enumerate(choices)],
                     "usage": usage_}
         include = bool(req.stream_options and req.stream_options.include_usage)
         return await self._run(request, prompt_ids, params, req.n, req.stream, chunk, full, include)
@@ -335,21 +344,44 @@ class OpenAIIngress:
             raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
         params = self._sampling(req, prompt_ids, req.max_tokens, "prompt")
         cid, created = completion_id("cmpl"), now()
+        offsets = [0] * req.n  # text_offset: where each choice's next token starts
 
-        def chunk(index, text, finish, usage_=None):
+        def chunk(index, text, finish, logprobs, usage_=None):
             body = {"id": cid, "object": "text_completion", "created": created, "model": self.cfg.model_name,
                     "choices": [] if usage_ else [{"index": index, "text": text or "", "finish_reason": finish,
-                                                   "logprobs": None}]}
+                                                   "logprobs": self._completion_logprobs(logprobs, offsets, index)}]}
             if usage_:
                 body["usage"] = usage_
             return body
 
         def full(choices, usage_):
             return {"id": cid, "object": "text_completion", "created": created, "model": self.cfg.model_name,
-                    "choices": [{"index": i, "text": text, "finish_reason": finish, "logprobs": None}
-                                for i, (text, finish) in enumerate(choices)], "usage": usage_}
+                    "choices": [{"index": i, "text": text, "finish_reason": finish,
+                                 "logprobs": self._completion_logprobs(logprobs, offsets, i)}
+                                for i, (text, finish, logprobs) in enumerate(choices)], "usage": usage_}
         include = bool(req.stream_options and req.stream_options.include_usage)
         return await self._run(request, prompt_ids, params, req.n, req.stream, chunk, full, include)
+
+    def _chat_logprobs(self, logprobs: list | None) -> dict | None:
+        if logprobs is None:
+            return None
+
+        def entry(token_id, logprob):
+            text = self.tokenizer.decode([token_id])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"content": [entry(t, lp) | {"top_logprobs": [entry(i, v) for i, v in top]}
+                            for t, (lp, top) in logprobs]}
+
+    def _completion_logprobs(self, logprobs: list | None, offsets: list[int], index: int) -> dict | None:
+        if logprobs is None:
+            return None
+        tokens = [self.tokenizer.decode([t]) for t, _ in logprobs]
+        text_offset = []
+        for text in tokens:
+            text_offset.append(offsets[index])
+            offsets[index] += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in logprobs], "text_offset": text_offset,
+                "top_logprobs": [{self.tokenizer.decode([i]): v for i, v in top} for _, (_, top) in logprobs]}
 
     def _model_card(self) -> dict:
         return {"id": self.cfg.model_name, "object": "model", "created": now(), "owned_by": "eagleserve"}

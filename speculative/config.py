@@ -17,6 +17,7 @@ class SamplingParams(BaseModel):
     max_tokens: int = Field(256, ge=1)
     stop: list[str] = Field(default_factory=list, max_length=4)
     ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)  # None: off; else the chosen token's + this many top ones
 
     @field_validator("temperature")
     @classmethod

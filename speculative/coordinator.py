@@ -68,14 +68,16 @@ class Coordinator:
             sinks.append(sink)
         results = []
         for sink in sinks:
-            tokens, out = [], None
+            tokens, logprobs, out = [], [], None
             while (item := sink.get()) is not None:
                 if isinstance(item, Exception):
                     raise item
                 out = item
                 tokens += item.new_token_ids
+                logprobs += item.logprobs or []
             results.append({"token_ids": tokens, "finish_reason": out.finish_reason if out else None,
-                            "acceptance_length": out.acceptance_length if out else 1.0})
+                            "acceptance_length": out.acceptance_length if out else 1.0,
+                            "logprobs": logprobs if params.logprobs is not None else None})
         return results
 
     def stats(self) -> dict:

@@ -25,6 +25,12 @@ class StepPlan:
     kv_len: int = 0                                         # cache rows any row may read
     all_greedy: bool = True
     use_top_k_top_p: bool = False
+    num_logprobs: int | None = None  # some row wants log-probabilities, with this many top tokens at most
+
+    @property
+    def graphable(self) -> bool:
+        """Greedy and without log-probabilities: the CUDA graphs' form (the eager path does the rest)."""
+        return self.all_greedy and self.num_logprobs is None
 
     @property
     def slots(self) -> list[int]:
@@ -43,3 +49,8 @@ class StepResult:
     received_at: float = 0.0
     launched_at: float = 0.0
     ready_at: float = 0.0
+    # with plan.num_logprobs: each emitted token's log-probability [rows, K+1], and the most likely
+    # tokens' ids and log-probabilities [rows, K+1, num_logprobs]
+    logprobs: np.ndarray | None = None
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None

@@ -51,6 +51,8 @@ class RequestOutput:
     text_delta: str
     finish_reason: str | None
     acceptance_length: float = 1.0   # the request's mean so far
+    # with params.logprobs, per new token: (its log-probability, [(id, log-probability)] of the top ones)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -166,7 +168,8 @@ class Scheduler:
             free_slots=self.slots_to_release,
             kv_len=-(-span // 64) * 64,
             all_greedy=all(r.params.is_greedy for r in rows),
-            use_top_k_top_p=any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows))
+            use_top_k_top_p=any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows),
+            num_logprobs=max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None))
         self.slots_to_release = []
         self.rows_of_step[step_id] = [r.request_id for r in rows]
         return plan
@@ -187,7 +190,13 @@ class Scheduler:
                 emitted = int(result.num_emitted[row])
                 if row >= num_prefills:
                     self._count_acceptance(r, emitted)
-                outputs.append(self._append(r, result.tokens[row, :emitted].tolist()))
+                logprobs = None
+                if r.params.logprobs is not None:
+                    n = r.params.logprobs
+                    logprobs = [(float(result.logprobs[row, j]),
+                                 list(zip(result.top_ids[row, j, :n].tolist(), result.top_logprobs[row, j, :n].tolist())))
+                                for j in range(emitted)]
+                outputs.append(self._append(r, result.tokens[row, :emitted].tolist(), logprobs))
             if r.is_finished and r.in_flight == 0 and r.slot is not None:  # _finish may have released it
                 self._release(r)
         return outputs
@@ -201,7 +210,7 @@ class Scheduler:
         for j in range(emitted - 1):
             self.stats.accepted_at[j] += 1
 
-    def _append(self, r: Request, tokens: list[int]) -> RequestOutput:
+    def _append(self, r: Request, tokens: list[int], logprobs: list | None = None) -> RequestOutput:
         new = []
         for token in tokens:
             if len(r.output_ids) >= r.params.max_tokens:
@@ -219,7 +228,8 @@ class Scheduler:
             self._finish(r, "length")
         # a finished request may still hold back text that could have begun a stop string
         delta = self._detokenize(r) if self.tokenizer is not None and (new or r.is_finished) else ""
-        return RequestOutput(r.request_id, new, delta, r.finish_reason, r.acceptance_length)
+        return RequestOutput(r.request_id, new, delta, r.finish_reason, r.acceptance_length,
+                             logprobs[:len(new)] if logprobs is not None else None)
 
     def _decode(self, r: Request) -> str:
         return self.tokenizer.decode(r.output_ids, skip_special_tokens=True)

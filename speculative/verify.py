@@ -55,6 +55,15 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> tuple[torch.Tensor, ...]:
+    """logits [B, T, V], tokens [B, T] -> the tokens' log-probabilities [B, T], and the ids and
+    log-probabilities of the num_top most likely tokens [B, T, num_top]: the model's own distribution,
+    before temperature, top-k and top-p (what vLLM reports by default)."""
+    logp = logits.float().log_softmax(-1)
+    top = logp.topk(num_top, dim=-1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), top.indices, top.values
+
+
 def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw: probs [N, V] (need not be normalised), u [N] in [0, 1) -> ids [N]."""
     cdf = probs.cumsum(-1)

@@ -53,6 +53,27 @@ def test_graphs_equal_eager_and_spec_equals_plain():
     assert _generate(DRAFTER, graphs=True, k=5, max_batch_size=2, graph_first_draft=True, prompt_lookup=0.5) == plain_eager
 
 
+def test_logprobs_take_the_eager_path_unchanged():
+    """A request with logprobs makes its steps run eager (the graphs return no logits): the tokens
+    stay those of the graphs, and each is its own top token with the same log-probability."""
+    plain = _generate(DRAFTER, graphs=True)
+    engine = LLMEngine(EngineConfig(model=MODEL, drafter=DRAFTER, num_draft_tokens=3, max_batch_size=8,
+                                    max_model_len=512, device="cuda", dtype="float32"))
+    engine.executor.check_host_sync = True
+    prompts = [encode_prompt(engine.tokenizer, q) for q in QUESTIONS]
+    requests = [engine.add_request(p, SamplingParams(max_tokens=48, logprobs=2 if i % 2 else None))
+                for i, p in enumerate(prompts)]
+    logprobs = {r.request_id: [] for r in requests}
+    while engine.has_work:
+        for out in engine.step():
+            logprobs[out.request_id] += out.logprobs or []
+    assert [r.output_ids for r in requests] == plain
+    for i, r in enumerate(requests):
+        got = logprobs[r.request_id]
+        assert (len(got) == len(r.output_ids)) if i % 2 else not got
+        assert all(top[0] == (t, lp) for t, (lp, top) in zip(r.output_ids, got))
+
+
 def test_prompt_lookup_drafts_the_same_in_graphs():
     """Greedy output cannot show the drafts; the number of accepted drafts can. With prompt lookup
     on, its token history is written and read inside the graphs: graphs and eager must draft alike."""
@@ -99,7 +120,8 @@ def test_gqa_attention_equals_folded_under_cudnn():
 
 if __name__ == "__main__":
     results = {}
-    for test in (test_graphs_equal_eager_and_spec_equals_plain, test_prompt_lookup_drafts_the_same_in_graphs,
+    for test in (test_graphs_equal_eager_and_spec_equals_plain, test_logprobs_take_the_eager_path_unchanged,
+                 test_prompt_lookup_drafts_the_same_in_graphs,
                  test_no_host_sync_inside_steps, test_gqa_attention_equals_folded_under_cudnn):
         try:
             test()

@@ -54,20 +54,23 @@ def fresh_drafts(runner: ModelRunner, context: list[int], step_id: int) -> torch
     return runner.drafts[0, :runner.K].clone()
 
 
-def run_with_oracle(engine, prompts, refs, joins, corrupt_p, seed=0, check_against=None):
+def run_with_oracle(engine, prompts, refs, joins, corrupt_p, seed=0, check_against=None, params=None, outputs=None):
     """Non-overlapped steps; after each, the drafts of every running request are overwritten with its
     known plain continuation, some positions corrupted, so drafts are accepted and rejected at every
     depth. With `check_against` (a fresh runner) the drafter's own proposals, read before they are
-    overwritten, must equal what a fresh prefill of the same context proposes."""
+    overwritten, must equal what a fresh prefill of the same context proposes. `params`: per request
+    (greedy ones, for the refs to hold); `outputs`: collects each request's RequestOutputs."""
     runner, K, V = engine.executor, engine.executor.K, engine.executor.target_cfg.vocab_size
     rng = random.Random(seed)
     index, requests, pending, steps, checks = {}, {}, list(range(len(prompts))), 0, 0
     while pending or engine.has_work:
         while pending and joins[pending[0]] <= steps:
             i = pending.pop(0)
-            requests[i] = engine.add_request(prompts[i], GREEDY)
+            requests[i] = engine.add_request(prompts[i], params[i] if params else GREEDY)
             index[requests[i].request_id] = i
-        engine.step()
+        for out in engine.step():
+            if outputs is not None:
+                outputs.setdefault(index[out.request_id], []).append(out)
         steps += 1
         for r in list(engine.scheduler.running.values()):
             if r.is_finished or r.slot is None:
@@ -92,6 +95,50 @@ def test_greedy_accepting_drafts_joining_batch(tiny_dir, tiny_drafter_dir, promp
     stats = engine.scheduler.stats
     assert stats.num_draft_accepted > 0.5 * stats.num_draft_proposed   # the accept path really ran
     assert stats.accepted_at[-1] > 0                                   # ... down to the last draft
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_logprobs_are_the_targets_own(tiny_dir, tiny_drafter_dir, prompts, plain_ref, sampled):
+    """Every emitted token's log-probability, and the top ones, equal a Hugging Face forward's over
+    prompt + output (before temperature, as vLLM reports them): requests joining mid-flight, drafts
+    accepted at every depth (greedy, oracle drafts) or sampled rows; a request that asks for none
+    gets none, and its batch neighbours' requests do not change its tokens."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
+    counts = [3, None, 0, 5, None, 2, 1]
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, max_batch_size=4, overlap=False)
+    outputs = {}
+    if sampled:
+        params = [SamplingParams(temperature=0.9, top_k=20, seed=i, max_tokens=24, ignore_eos=True, logprobs=n)
+                  for i, n in enumerate(counts)]
+        index, pending, steps = {}, list(range(len(prompts))), 0
+        while pending or engine.has_work:
+            while pending and JOINS[pending[0]] <= steps:
+                i = pending.pop(0)
+                index[engine.add_request(prompts[i], params[i]).request_id] = i
+            for out in engine.step():
+                outputs.setdefault(index[out.request_id], []).append(out)
+            steps += 1
+    else:
+        params = [GREEDY.model_copy(update={"logprobs": n}) for n in counts]
+        requests = run_with_oracle(engine, prompts, plain_ref, JOINS, corrupt_p=0.2, params=params, outputs=outputs)
+        assert [r.output_ids for r in requests] == plain_ref
+        assert engine.scheduler.stats.accepted_at[-1] > 0
+    for i, n in enumerate(counts):
+        tokens = [t for out in outputs[i] for t in out.new_token_ids]
+        got = [lp for out in outputs[i] for lp in (out.logprobs or [])]
+        if n is None:
+            assert all(out.logprobs is None for out in outputs[i])
+            continue
+        assert len(got) == len(tokens) > 0
+        with torch.no_grad():
+            logp = hf(torch.tensor([prompts[i] + tokens])).logits[0].log_softmax(-1)[len(prompts[i]) - 1:-1]
+        torch.testing.assert_close(torch.tensor([lp for lp, _ in got]), logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0],
+                                   rtol=1e-4, atol=1e-4)
+        top = logp.topk(n, -1)
+        assert [[t for t, _ in top_] for _, top_ in got] == top.indices.tolist()
+        torch.testing.assert_close(torch.tensor([[v for _, v in top_] for _, top_ in got]).view(len(got), n), top.values,
+                                   rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -33,10 +33,10 @@ def prompts():
     return [encode_prompt(tokenizer, q) for q in QUESTIONS]
 
 
-def run_coordinator(cfg: EngineConfig, prompts, params=GREEDY):
+def run_coordinator(cfg: EngineConfig, prompts, params=GREEDY, key="token_ids"):
     coordinator = CoordinatorActor.remote(cfg)
     try:
-        return [r["token_ids"] for r in ray.get(coordinator.generate.remote(prompts, params))], \
+        return [r[key] for r in ray.get(coordinator.generate.remote(prompts, params))], \
             ray.get(coordinator.stats.remote())
     finally:
         ray.get(coordinator.shutdown.remote())
@@ -84,13 +84,18 @@ def _tiny6_dir():
 
 
 def test_tp2_matches_tp1_on_small_model(tmp_path, prompts):
+    """Tokens and their log-probabilities (rank 0's, sent back over the result channel)."""
     model = str(_tiny_llama(tmp_path / "tiny"))
     outputs = {}
     for tp in (1, 2):
         cfg = EngineConfig(model=model, drafter="default", max_batch_size=4, max_model_len=256, tp=tp)
-        outputs[tp], _ = run_coordinator(cfg, prompts, SamplingParams(max_tokens=16, ignore_eos=True))
-    assert outputs[1] == outputs[2]
-    assert all(len(o) == 16 for o in outputs[1])
+        outputs[tp], _ = run_coordinator(cfg, prompts, SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2),
+                                         key="logprobs")
+    tokens = {tp: [[t for _, top in o for t, _ in top[:1]] for o in outputs[tp]] for tp in (1, 2)}
+    assert tokens[1] == tokens[2]  # greedy: each token is its top one
+    assert all(len(o) == 16 and all(len(top) == 2 for _, top in o) for o in outputs[1])
+    torch.testing.assert_close(torch.tensor([[lp for lp, _ in o] for o in outputs[1]]),
+                               torch.tensor([[lp for lp, _ in o] for o in outputs[2]]), rtol=1e-4, atol=1e-4)
 
 
 def test_killed_worker_fails_requests_then_engine_restarts(prompts, local_outputs):

@@ -118,6 +118,31 @@ def test_n_choices_are_seeded_requests(client, alone):
     assert [c.message.content for c in greedy.choices] == [alone[QUESTIONS[3]]] * 2
 
 
+def test_logprobs(client, alone):
+    """Per token: its text, log-probability and top alternatives (greedy: the token is the top one),
+    the same streamed; completions' legacy form with text offsets."""
+    r = chat(client, QUESTIONS[4], logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == alone[QUESTIONS[4]]
+    assert len(content) == r.usage.completion_tokens and "".join(e.token for e in content) == alone[QUESTIONS[4]]
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token and e.logprob <= 0
+        assert e.top_logprobs[0].logprob == e.logprob >= e.top_logprobs[1].logprob
+        assert bytes(e.bytes).decode() == e.token
+    streamed = [e for c in chat(client, QUESTIONS[4], logprobs=True, top_logprobs=2, stream=True)
+                for e in (c.choices[0].logprobs.content if c.choices and c.choices[0].logprobs else [])]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+    assert chat(client, QUESTIONS[4]).choices[0].logprobs is None
+
+    c = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                  logprobs=3).choices[0]
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6 and "".join(lp.tokens) == c.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(6)]
+    assert all(len(top) == 3 and max(top.values()) == pytest.approx(v) for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+
+
 def _post(base_url, path, content, key=KEY, headers=None):
     h = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
     return httpx.post(f"{base_url}{path}", content=content, headers=h, timeout=180)
@@ -133,13 +158,15 @@ BAD_REQUESTS = [
     ("n over OpenAI's 128", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                                       "n": 129}, 400),
     ("n over a replica's slots + queue", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 25}, 400),
-    ("logprobs", "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400),
+    ("logprobs over 20", "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400),
+    ("logprobs true on completions", "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": True}, 400),
+    ("top_logprobs without logprobs", "/v1/chat/completions", {"model": MODEL, "top_logprobs": 2,
+                                                               "messages": [{"role": "user", "content": "x"}]}, 400),
     ("unknown option", "/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, 400),
     ("prompt too long", "/v1/completions", {"model": MODEL, "prompt": "hello " * 600}, 400),
     ("max_tokens over context", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 100000}, 400),
     ("bad token id", "/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**9]}, 400),
     ("empty messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
-    ("logprobs 0", "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 0}, 400),
     ("boolean token ids", "/v1/completions", {"model": MODEL, "prompt": [True, False]}, 400),
     ("stream_options without stream", "/v1/completions", {"model": MODEL, "prompt": "x",
                                                           "stream_options": {"include_usage": True}}, 400),

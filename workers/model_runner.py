@@ -11,13 +11,14 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from speculative.config import EngineConfig
 from speculative.plan import StepPlan
 from speculative.prompt_lookup import lookup
 from speculative.resource_manager import Eagle3ResourceManager
-from speculative.verify import ACCEPT_STREAM, SAMPLE_STREAM, sample, target_probs, uniform, verify_greedy, \
-    verify_sampled
+from speculative.verify import ACCEPT_STREAM, SAMPLE_STREAM, sample, target_probs, token_logprobs, uniform, \
+    verify_greedy, verify_sampled
 from workers.attention import ForwardBatch, allocate_kv_cache
 from workers.layers import tp_rank_size
 from workers.llama import LlamaConfig
@@ -135,14 +136,17 @@ class ModelRunner:
             start_event = torch.cuda.Event(enable_timing=True)
             start_event.record()
         with no_host_sync(self.check_host_sync):
-            tokens, num_emitted = self._run(plan, inputs)
-        output = send_back(plan.step_id, tokens, num_emitted, time.perf_counter() - start)
+            tokens, num_emitted, logprobs = self._run(plan, inputs)
+        output = send_back(plan.step_id, tokens, num_emitted, time.perf_counter() - start, logprobs)
         output.start_event = start_event
         output.received_at, output.launched_at = received_at, time.time()
         return output
 
-    def _run(self, plan: StepPlan, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, plan: StepPlan, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+        """-> tokens [rows, K+1], num_emitted [rows], and with plan.num_logprobs the rows' log-probabilities
+        (`token_logprobs`, each [rows, K+1, ...])."""
         outs, seeds = [], []
+        self.logprob_parts = []  # filled by the eager prefill and verify, rows in order
         if plan.prefills:
             tokens, emitted, seed = self._prefill(plan, inputs)
             outs.append((tokens, emitted))
@@ -154,7 +158,8 @@ class ModelRunner:
         seeds = [s for s in seeds if s is not None]  # None: no drafter, or the step graph drafted already
         if seeds:
             self._draft_chain(plan, seeds)
-        return torch.cat([t for t, _ in outs]), torch.cat([e for _, e in outs])
+        logprobs = tuple(map(torch.cat, zip(*self.logprob_parts))) if self.logprob_parts else None
+        return torch.cat([t for t, _ in outs]), torch.cat([e for _, e in outs]), logprobs
 
     def _batch(self, slots, positions, valid, kv_len) -> ForwardBatch:
         dummy = self.resources.dummy_slot
@@ -170,7 +175,7 @@ class ModelRunner:
         for name in ("seeds", "temperature", "top_p", "top_k"):
             state = getattr(self, name)
             state.index_copy_(0, slots, inp[f"prefill_{name}"].to(state.dtype))
-        if self.prefill_graphs is not None and plan.all_greedy and self.prefill_graphs.fits(B, T):
+        if self.prefill_graphs is not None and plan.graphable and self.prefill_graphs.fits(B, T):
             out = self.prefill_graphs(slots, lens, ids, kv_len=T)
         else:
             out = self._prefill_forward(slots, lens, ids, kv_len=T, plan=plan)
@@ -192,6 +197,11 @@ class ModelRunner:
         hidden, _ = self.target(ids, batch, features)
         logits = self.target.logits(hidden[rows, lens - 1].unsqueeze(1))  # [B, 1, V]
         token = logits[:, 0].argmax(-1) if plan is None else self._sample_one(plan, logits, slots, lens)
+        if plan is not None and plan.num_logprobs is not None:  # padded to K+1 columns, like the tokens
+            chosen, top_ids, top_logprobs = token_logprobs(logits, token.unsqueeze(1), plan.num_logprobs)
+            K = self.K
+            self.logprob_parts.append((F.pad(chosen, (0, K)), F.pad(top_ids, (0, 0, 0, K)),
+                                       F.pad(top_logprobs, (0, 0, 0, K))))
         self.last_token.index_copy_(0, slots, token)
         self.num_computed.index_copy_(0, slots, lens)
         if self.drafter is None:
@@ -218,7 +228,7 @@ class ModelRunner:
     def _verify(self, plan: StepPlan, slots: torch.Tensor):
         """-> tokens [B, K+1], num_emitted [B], and what the draft chain continues from (None when
         the graph of the whole step (`graph_first_draft`) ran the drafter already)."""
-        if self.verify_graphs is not None and plan.all_greedy and self.verify_graphs.fits(slots.shape[0], plan.kv_len):
+        if self.verify_graphs is not None and plan.graphable and self.verify_graphs.fits(slots.shape[0], plan.kv_len):
             tokens, emitted, base = self.verify_graphs(slots, kv_len=plan.kv_len)
             if self.drafter is None or self.cfg.graph_first_draft:
                 return tokens, emitted, None
@@ -274,6 +284,8 @@ class ModelRunner:
             tokens, emitted = verify_sampled(self._probs(plan, logits, slots), drafts,
                                              uniform(seeds, positions[:, 1:], ACCEPT_STREAM),
                                              uniform(seeds, positions + 1, SAMPLE_STREAM))
+        if plan is not None and plan.num_logprobs is not None:
+            self.logprob_parts.append(token_logprobs(logits, tokens, plan.num_logprobs))
         self.last_token.index_copy_(0, slots, tokens[rows, emitted - 1])
         self.num_computed.index_copy_(0, slots, base + emitted)
         self._record(slots, positions + 1, tokens)  # past the emitted ones: overwritten before being read
