@@ -147,7 +147,8 @@ _FIELDS = {
     "temperature": _numbers | _json, "top_p": _numbers, "top_k": _numbers, "seed": _numbers,
     "max_tokens": _numbers, "max_completion_tokens": _numbers, "n": _numbers,
     "stop": _text | st.lists(_text, max_size=5) | _json, "stream": st.booleans() | _json,
-    "stream_options": _json, "logprobs": _json, "echo": _json, "ignore_eos": _json, "user": _json, "tools": _json}
+    "stream_options": _json, "logprobs": _json | _numbers, "top_logprobs": _numbers, "echo": _json,
+    "ignore_eos": _json, "user": _json, "tools": _json}
 _BASE = {"/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
          "/v1/completions": {"model": MODEL, "prompt": "Hi", "max_tokens": 4}}
 
