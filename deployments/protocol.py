@@ -83,8 +83,8 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     stop: Annotated[str | list[str] | None, _STOP] = None
     seed: int | None = Field(None, ge=0, lt=2**63)
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     ignore_eos: bool = False
     user: str | None = None
 
@@ -120,7 +120,8 @@ class _SamplingRequest(BaseModel):
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                               max_tokens=self.max_tokens or default_max_tokens, stop=self.stop or [],
-                              ignore_eos=self.ignore_eos, logprobs=self.num_logprobs())
+                              ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(),
+                              frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty)
 
 
 class ChatCompletionRequest(_SamplingRequest):

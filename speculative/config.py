@@ -17,6 +17,9 @@ class SamplingParams(BaseModel):
     max_tokens: int = Field(256, ge=1)
     stop: list[str] = Field(default_factory=list, max_length=4)
     ignore_eos: bool = False
+    # OpenAI's: logits -= frequency_penalty * count + presence_penalty * (count > 0), over the output so far
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logprobs: int | None = Field(None, ge=0, le=20)  # None: off; else the chosen token's + this many top ones
 
     @field_validator("temperature")

@@ -14,6 +14,8 @@ class PrefillRow:
     temperature: float
     top_p: float
     top_k: int
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
 
 @dataclass
@@ -26,11 +28,12 @@ class StepPlan:
     all_greedy: bool = True
     use_top_k_top_p: bool = False
     num_logprobs: int | None = None  # some row wants log-probabilities, with this many top tokens at most
+    use_penalties: bool = False      # some row has a frequency or presence penalty
 
     @property
     def graphable(self) -> bool:
-        """Greedy and without log-probabilities: the CUDA graphs' form (the eager path does the rest)."""
-        return self.all_greedy and self.num_logprobs is None
+        """Greedy, without log-probabilities or penalties: the CUDA graphs' form (the eager path does the rest)."""
+        return self.all_greedy and self.num_logprobs is None and not self.use_penalties
 
     @property
     def slots(self) -> list[int]:

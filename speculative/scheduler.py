@@ -162,14 +162,15 @@ class Scheduler:
         span = max(len(r.prompt_ids) + len(r.output_ids) + r.in_flight * (self.k + 1) + self.k + 1 for r in rows)
         plan = StepPlan(
             step_id=step_id,
-            prefills=[PrefillRow(r.slot, r.prompt_ids, r.seed, r.params.temperature, r.params.top_p,
-                                 r.params.top_k) for r in prefills],
+            prefills=[PrefillRow(r.slot, r.prompt_ids, r.seed, r.params.temperature, r.params.top_p, r.params.top_k,
+                                 r.params.frequency_penalty, r.params.presence_penalty) for r in prefills],
             decode_slots=[r.slot for r in decodes],
             free_slots=self.slots_to_release,
             kv_len=-(-span // 64) * 64,
             all_greedy=all(r.params.is_greedy for r in rows),
             use_top_k_top_p=any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows),
-            num_logprobs=max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None))
+            num_logprobs=max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None),
+            use_penalties=any(r.params.frequency_penalty or r.params.presence_penalty for r in rows))
         self.slots_to_release = []
         self.rows_of_step[step_id] = [r.request_id for r in rows]
         return plan

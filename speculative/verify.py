@@ -55,6 +55,13 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, frequency: torch.Tensor,
+                    presence: torch.Tensor) -> torch.Tensor:
+    """logits [B, T, V], counts [B, T, V] of each token in the output before each position, per-row
+    penalties [B] -> OpenAI's penalised logits."""
+    return logits - frequency.view(-1, 1, 1) * counts - presence.view(-1, 1, 1) * (counts > 0)
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> tuple[torch.Tensor, ...]:
     """logits [B, T, V], tokens [B, T] -> the tokens' log-probabilities [B, T], and the ids and
     log-probabilities of the num_top most likely tokens [B, T, num_top]: the model's own distribution,

@@ -141,6 +141,36 @@ def test_logprobs_are_the_targets_own(tiny_dir, tiny_drafter_dir, prompts, plain
                                    rtol=1e-4, atol=1e-4)
 
 
+def penalised_greedy(model_dir, prompt: list[int], params: SamplingParams) -> list[int]:
+    """Greedy decoding with OpenAI's penalties, from Hugging Face logits over the whole sequence."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    out = []
+    for _ in range(params.max_tokens):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + out])).logits[0, -1]
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0]).float()
+        out.append(int((logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)).argmax()))
+    return out
+
+
+def test_penalties_greedy_equal_the_reference(tiny_dir, tiny_drafter_dir, prompts):
+    """Frequency and presence penalties change greedy output as OpenAI defines them, and speculative
+    decoding keeps it exact: the verify pass penalises position j for drafts 1..j as if accepted
+    (oracle drafts, accepted at every depth), in a batch with unpenalised requests."""
+    params = [GREEDY.model_copy(update={"max_tokens": 24, "frequency_penalty": f, "presence_penalty": p})
+              for f, p in [(0.8, 0.0), (0.0, 0.0), (0.0, 1.5), (0.5, 0.5), (-0.5, 0.0), (1.2, -0.3), (0.0, 0.0)]]
+    refs = [penalised_greedy(tiny_dir, prompt, p) for prompt, p in zip(prompts, params)]
+    unpenalised = [penalised_greedy(tiny_dir, prompts[0], params[1])]
+    assert refs[0] != unpenalised[0]  # the penalty is felt
+    plain = tiny_engine(tiny_dir, max_batch_size=4)
+    assert [r.output_ids for r in run_to_completion(plain, prompts, params, JOINS)] == refs
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, max_batch_size=4, overlap=False)
+    requests = run_with_oracle(engine, prompts, refs, JOINS, corrupt_p=0.2, params=params)
+    assert [r.output_ids for r in requests] == refs
+    assert engine.scheduler.stats.accepted_at[-1] > 0
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_drafter_kv_cache_matches_fresh_prefill(tiny_dir, tiny_drafter_dir, prompts, plain_ref, k):
     """After any mix of accepted and rejected drafts, the drafter's KV cache holds what a fresh
@@ -233,15 +263,18 @@ def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
     return out / out.sum(-1, keepdim=True)
 
 
-def exact_joint(model_dir, temperature, top_k, top_p, prompt=PROMPT):
-    """P(t1, t2, t3) [V, V, V] and the conditionals, from a Hugging Face forward of every prefix."""
+def exact_joint(model_dir, temperature, top_k, top_p, prompt=PROMPT, frequency_penalty=0.0, presence_penalty=0.0):
+    """P(t1, t2, t3) [V, V, V] and the conditionals, from a Hugging Face forward of every prefix
+    (its tokens penalised as OpenAI defines it)."""
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 
     def next_probs(prefixes):
         ids = torch.tensor([prompt + p for p in prefixes])
+        counts = torch.stack([torch.bincount(torch.tensor(p, dtype=torch.long), minlength=V16) for p in prefixes])
         with torch.no_grad():
-            return reference_probs(hf(ids).logits[:, -1], temperature, top_k, top_p)
+            logits = hf(ids).logits[:, -1] - frequency_penalty * counts - presence_penalty * (counts > 0)
+            return reference_probs(logits, temperature, top_k, top_p)
 
     p1 = next_probs([[]])[0]                                                        # [V]
     p2 = next_probs([[a] for a in range(V16)])                                      # [V, V]
@@ -305,7 +338,9 @@ def chi2_pvalue(counts: torch.Tensor, joint: torch.Tensor) -> float:
 
 
 SAMPLING = {"t1": SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
-            "t0.7-topk5-topp0.9": SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=3, ignore_eos=True)}
+            "t0.7-topk5-topp0.9": SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=3, ignore_eos=True),
+            "t1-penalties": SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, frequency_penalty=-1.5,
+                                           presence_penalty=-1.0)}  # repeats made likely: felt often
 
 
 def _engine(dirs, drafter: bool, k: int, prompt_lookup: float = 0.0):
@@ -316,10 +351,11 @@ def _engine(dirs, drafter: bool, k: int, prompt_lookup: float = 0.0):
 
 @pytest.mark.parametrize("params_name, drafts, k", [
     ("t1", "none", 0), ("t1", "random", 3), ("t1", "oracle", 1), ("t1", "oracle", 3),
-    ("t0.7-topk5-topp0.9", "oracle", 3)])
+    ("t0.7-topk5-topp0.9", "oracle", 3), ("t1-penalties", "none", 0), ("t1-penalties", "oracle", 3)])
 def test_sampled_distribution_matches_target(v16_dirs, params_name, drafts, k):
     params = SAMPLING[params_name]
-    joint, conditionals = exact_joint(v16_dirs[0], params.temperature, params.top_k, params.top_p)
+    joint, conditionals = exact_joint(v16_dirs[0], params.temperature, params.top_k, params.top_p,
+                                      frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty)
     engine = _engine(v16_dirs, drafts != "none", max(k, 1))
     counts = sample_first_three(engine, params, conditionals if drafts == "oracle" else None)
     p_value = chi2_pvalue(counts, joint)

@@ -143,6 +143,14 @@ def test_logprobs(client, alone):
     assert all(len(top) == 3 and max(top.values()) == pytest.approx(v) for top, v in zip(lp.top_logprobs, lp.token_logprobs))
 
 
+def test_penalties_reach_the_engine(client, alone):
+    """A frequency penalty changes a greedy answer that repeats tokens (exactness: test_lossless)."""
+    question = "Count to five."
+    penalised = chat(client, question, max_tokens=24, frequency_penalty=2.0).choices[0].message.content
+    assert penalised and penalised != alone[question]
+    assert chat(client, question, frequency_penalty=0.0).choices[0].message.content == alone[question]
+
+
 def _post(base_url, path, content, key=KEY, headers=None):
     h = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
     return httpx.post(f"{base_url}{path}", content=content, headers=h, timeout=180)
@@ -158,6 +166,8 @@ BAD_REQUESTS = [
     ("n over OpenAI's 128", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                                       "n": 129}, 400),
     ("n over a replica's slots + queue", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 25}, 400),
+    ("presence_penalty over 2", "/v1/chat/completions", {"model": MODEL, "presence_penalty": 2.5,
+                                                         "messages": [{"role": "user", "content": "x"}]}, 400),
     ("logprobs over 20", "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400),
     ("logprobs true on completions", "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": True}, 400),
     ("top_logprobs without logprobs", "/v1/chat/completions", {"model": MODEL, "top_logprobs": 2,

@@ -17,8 +17,8 @@ from speculative.config import EngineConfig
 from speculative.plan import StepPlan
 from speculative.prompt_lookup import lookup
 from speculative.resource_manager import Eagle3ResourceManager
-from speculative.verify import ACCEPT_STREAM, SAMPLE_STREAM, sample, target_probs, token_logprobs, uniform, \
-    verify_greedy, verify_sampled
+from speculative.verify import ACCEPT_STREAM, SAMPLE_STREAM, apply_penalties, sample, target_probs, token_logprobs, \
+    uniform, verify_greedy, verify_sampled
 from workers.attention import ForwardBatch, allocate_kv_cache
 from workers.layers import tp_rank_size
 from workers.llama import LlamaConfig
@@ -112,6 +112,9 @@ class ModelRunner:
         self.temperature = torch.zeros(n, dtype=torch.float32, device=dev)
         self.top_p = torch.ones(n, dtype=torch.float32, device=dev)
         self.top_k = torch.zeros(n, dtype=torch.long, device=dev)
+        self.frequency_penalty = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.presence_penalty = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.output_counts = None  # [slots+1, V]: each slot's output tokens, from the first step with penalties
         # with prompt lookup: every slot's tokens by position (prompt, output, the chain's drafts)
         self.history = torch.zeros(n, self.cache_len, dtype=torch.long, device=dev) \
             if cfg.prompt_lookup > 0 and self.drafter is not None else None
@@ -147,6 +150,9 @@ class ModelRunner:
         (`token_logprobs`, each [rows, K+1, ...])."""
         outs, seeds = [], []
         self.logprob_parts = []  # filled by the eager prefill and verify, rows in order
+        if plan.use_penalties and self.output_counts is None:
+            self.output_counts = torch.zeros(self.num_slots + 1, self.target_cfg.vocab_size, dtype=torch.int32,
+                                             device=self.device)
         if plan.prefills:
             tokens, emitted, seed = self._prefill(plan, inputs)
             outs.append((tokens, emitted))
@@ -172,7 +178,7 @@ class ModelRunner:
     def _prefill(self, plan: StepPlan, inp: dict):
         ids, lens, slots = inp["prefill_ids"], inp["prefill_lens"], inp["prefill_slots"]
         B, T = ids.shape
-        for name in ("seeds", "temperature", "top_p", "top_k"):
+        for name in ("seeds", "temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty"):
             state = getattr(self, name)
             state.index_copy_(0, slots, inp[f"prefill_{name}"].to(state.dtype))
         if self.prefill_graphs is not None and plan.graphable and self.prefill_graphs.fits(B, T):
@@ -182,7 +188,11 @@ class ModelRunner:
         seed = DraftSeed(slots, out[1], lens - 1, out[2]) if self.drafter is not None else None
         tokens = torch.zeros(B, self.K + 1, dtype=torch.long, device=self.device)
         tokens[:, 0] = out[0]
-        return tokens, torch.ones(B, dtype=torch.long, device=self.device), seed
+        emitted = torch.ones(B, dtype=torch.long, device=self.device)
+        if plan.use_penalties:  # a new output: the first token is drawn unpenalised, then counted
+            self.output_counts.index_fill_(0, slots, 0)
+            self._count_outputs(slots, tokens, emitted)
+        return tokens, emitted, seed
 
     def _prefill_forward(self, slots: torch.Tensor, lens: torch.Tensor, ids: torch.Tensor, kv_len: int,
                          plan: StepPlan | None = None) -> tuple:
@@ -276,7 +286,13 @@ class ModelRunner:
         ids = torch.cat([self.last_token[slots].unsqueeze(1), drafts], dim=1)  # [B, K+1]
         batch = self._batch(slots, positions, torch.ones_like(ids, dtype=torch.bool), kv_len)
         hidden, _ = self.target(ids, batch, self.resources.feature_view(B, K + 1) if self.drafter else None)
-        logits = self.target.logits(hidden)                                   # [B, K+1, V]
+        logits = raw_logits = self.target.logits(hidden)                      # [B, K+1, V]
+        if plan is not None and plan.use_penalties:
+            # position j follows the output so far and drafts 1..j, as if accepted
+            drafted = torch.zeros_like(logits)
+            drafted[:, 1:].scatter_(-1, drafts.unsqueeze(-1), 1.0)
+            counts = self.output_counts[slots].unsqueeze(1) + drafted.cumsum(1)
+            logits = apply_penalties(logits, counts, self.frequency_penalty[slots], self.presence_penalty[slots])
         if plan is None or plan.all_greedy:
             tokens, emitted = verify_greedy(logits.argmax(-1), drafts)
         else:
@@ -284,12 +300,20 @@ class ModelRunner:
             tokens, emitted = verify_sampled(self._probs(plan, logits, slots), drafts,
                                              uniform(seeds, positions[:, 1:], ACCEPT_STREAM),
                                              uniform(seeds, positions + 1, SAMPLE_STREAM))
-        if plan is not None and plan.num_logprobs is not None:
-            self.logprob_parts.append(token_logprobs(logits, tokens, plan.num_logprobs))
+        if plan is not None and plan.num_logprobs is not None:  # the model's own, before penalties
+            self.logprob_parts.append(token_logprobs(raw_logits, tokens, plan.num_logprobs))
+        if plan is not None and plan.use_penalties:
+            self._count_outputs(slots, tokens, emitted)
         self.last_token.index_copy_(0, slots, tokens[rows, emitted - 1])
         self.num_computed.index_copy_(0, slots, base + emitted)
         self._record(slots, positions + 1, tokens)  # past the emitted ones: overwritten before being read
         return tokens, emitted, base
+
+    def _count_outputs(self, slots: torch.Tensor, tokens: torch.Tensor, emitted: torch.Tensor) -> None:
+        """Penalties: add each row's first `emitted` [B] of tokens [B, K+1] to its slot's output counts."""
+        valid = torch.arange(tokens.shape[1], device=self.device) < emitted.unsqueeze(1)
+        rows = slots.unsqueeze(1).expand_as(tokens)
+        self.output_counts.index_put_((rows, tokens), valid.to(self.output_counts.dtype), accumulate=True)
 
     def _draft_chain(self, plan: StepPlan, seeds: list[DraftSeed]) -> None:
         slots = torch.cat([s.slots for s in seeds])
