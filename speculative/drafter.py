@@ -19,7 +19,7 @@ from torch import nn
 from workers.attention import CachedAttention, ForwardBatch, attention_inputs
 from workers.layers import ParallelLMHead, ReplicatedLinear, RMSNorm, Rotary, VocabParallelEmbedding
 from workers.llama import MLP
-from workers.loader import iter_safetensors
+from workers.loader import iter_safetensors, load_config, load_weights
 
 
 @dataclass(frozen=True)
@@ -126,41 +126,51 @@ def _standard_name(name: str) -> str:
     return "midlayer." + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
 
 
+def read_drafter_config(path: Path) -> DrafterConfig:
+    if not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"drafter directory {path} has no config.json")
+    cfg = load_config(path)
+    try:
+        return DrafterConfig.from_hf(cfg)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise ValueError(f"{Path(path) / 'config.json'}: not an EAGLE-3 drafter config ({type(e).__name__}: {e})") \
+            from None
+
+
 def load_drafter(path: Path, group=None, target_embeddings: VocabParallelEmbedding | None = None,
                  max_positions: int = 4096) -> Eagle3Drafter:
+    """A drafter directory, checked against the target when its embeddings are given (every drafter
+    made for a target is loaded so): mismatches fail here, not in the first draft step."""
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"drafter directory {path} has no config.json")
-    cfg = DrafterConfig.from_hf(json.loads((path / "config.json").read_text()))
-    tensors = dequantize_int8({_standard_name(n): t for n, t in iter_safetensors(path)})
-    num_aux = tensors["fc.weight"].shape[1] // cfg.target_hidden_size if "fc.weight" in tensors else 3
+    source = f"drafter {path}"
+    cfg = read_drafter_config(path)
+    tensors = dequantize_int8({_standard_name(n): t for n, t in iter_safetensors(path)}, source)
     own = "embed_tokens.weight" in tensors
     if not own and target_embeddings is None:
-        raise ValueError(f"drafter {path} has no embed_tokens.weight and no target embeddings were given")
+        raise ValueError(f"{source} has no embed_tokens.weight and no target embeddings were given")
+    if target_embeddings is not None:
+        vocab, hidden = target_embeddings.vocab_size, target_embeddings.weight.shape[1]
+        if (cfg.vocab_size, cfg.target_hidden_size) != (vocab, hidden):
+            raise ValueError(f"{source} was made for a target with {cfg.vocab_size} tokens and hidden size "
+                             f"{cfg.target_hidden_size}, not this one ({vocab}, {hidden})")
+        if not own and cfg.hidden_size != hidden:
+            raise ValueError(f"{source} has hidden size {cfg.hidden_size} but no embed_tokens.weight of its own: "
+                             f"the target's are {hidden} wide")
+    num_aux = len(cfg.aux_layer_ids) if cfg.aux_layer_ids else 3  # the target's default (2, L/2, L-3)
     drafter = Eagle3Drafter(cfg, num_aux, group, max_positions, None if own else target_embeddings)
-    fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-    modules = dict(drafter.named_modules())
-    expected = {n for n, m in modules.items() if hasattr(m, "load_full")} | {"d2t", "t2d"}
-    if not own:
-        expected.discard("embed_tokens")
-    for name, tensor in tensors.items():
-        if name in ("d2t", "t2d"):
-            getattr(drafter, name).copy_(tensor)
-            expected.discard(name)
-            continue
-        module_path, param = name.rsplit(".", 1)
-        parent, _, leaf = module_path.rpartition(".")
-        index = 0
-        if leaf in fused:
-            leaf, index = fused[leaf]
-            module_path = f"{parent}.{leaf}"
-        if module_path not in modules or not hasattr(modules[module_path], "load_full"):
-            raise KeyError(f"unexpected tensor {name!r} in drafter {path}")
-        modules[module_path].load_full(tensor, index, param)
-        expected.discard(module_path)
-    if expected:
-        raise KeyError(f"drafter {path} lacks {sorted(expected)}")
+    d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
+    if d2t is None or t2d is None:
+        raise ValueError(f"{source} lacks {'d2t' if d2t is None else 't2d'}")
+    if d2t.shape != (cfg.draft_vocab_size,) or d2t.is_floating_point() or d2t.dtype == torch.bool:
+        raise ValueError(f"{source}: d2t must be {cfg.draft_vocab_size} integers, not {d2t.dtype} {list(d2t.shape)}")
+    target_ids = torch.arange(cfg.draft_vocab_size) + d2t
+    if cfg.draft_vocab_size and not 0 <= target_ids.min() <= target_ids.max() < cfg.vocab_size:
+        raise ValueError(f"{source}: d2t maps draft tokens to ids outside the {cfg.vocab_size}-token vocabulary")
+    if t2d.shape != (cfg.vocab_size,) or t2d.dtype != torch.bool:
+        raise ValueError(f"{source}: t2d must be {cfg.vocab_size} bools, not {t2d.dtype} {list(t2d.shape)}")
+    drafter.d2t.copy_(d2t)
+    drafter.t2d.copy_(t2d)
+    load_weights(drafter, tensors.items(), source, () if own else ("embed_tokens",))
     return drafter
 
 
@@ -201,17 +211,21 @@ def quantize_int8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def dequantize_int8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def dequantize_int8(tensors: dict[str, torch.Tensor], source: str = "drafter") -> dict[str, torch.Tensor]:
     """The inverse of `quantize_int8` (float32 weights); tensors without a scale pass through."""
     out = {n: t for n, t in tensors.items() if not n.endswith("_scale")}
     for name in tensors.keys() - out.keys():
         if name.removesuffix("_scale") not in out:
-            raise KeyError(f"drafter tensor {name!r} has no weight {name.removesuffix('_scale')!r} beside it")
-    for name in out:
-        if name + "_scale" in tensors:
-            out[name] = out[name].float() * tensors[name + "_scale"].float()
-        elif out[name].dtype == torch.int8:
-            raise KeyError(f"int8 drafter tensor {name!r} has no {name + '_scale'!r} beside it")
+            raise ValueError(f"{source}: tensor {name!r} has no weight {name.removesuffix('_scale')!r} beside it")
+    for name, t in out.items():
+        scale = tensors.get(name + "_scale")
+        if scale is not None:
+            if t.dim() != 2 or scale.shape != (t.shape[0], 1):
+                raise ValueError(f"{source}: {name}_scale has shape {list(scale.shape)}, expected "
+                                 f"[rows, 1] for its {list(t.shape)} weight")
+            out[name] = t.float() * scale.float()
+        elif t.dtype == torch.int8:
+            raise ValueError(f"{source}: int8 tensor {name!r} has no {name + '_scale'!r} beside it")
     return out
 
 

@@ -105,7 +105,7 @@ def test_int8_storage(tmp_path, tiny_dir):
     stored = quantize_int8(state)
     for missing in ("fc.weight_scale", "fc.weight"):
         save_drafter(tmp_path / "broken", cfg, {n: t for n, t in stored.items() if n != missing})
-        with pytest.raises(KeyError, match="fc.weight"):
+        with pytest.raises(ValueError, match="fc.weight"):
             load_drafter(tmp_path / "broken")
 
 
@@ -208,3 +208,86 @@ def test_random_default_drafters_do_not_collide(tmp_path, monkeypatch):
         engine = tiny_engine(d, "default", k=2)
         assert engine.executor.drafter.cfg.hidden_size == LlamaConfig.from_hf(load_config(d)).hidden_size
         run_to_completion(engine, tiny_prompts(1), SamplingParams(max_tokens=4, ignore_eos=True))
+
+
+# ---- checks at load time ----
+
+def _small_drafter(tmp_path, mutate=None, **changes):
+    """A drafter for a target of 64 tokens and hidden size 64, draft vocabulary 16, after `mutate(state)`."""
+    from dataclasses import replace
+    target = LlamaConfig.from_hf({"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+                                  "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2})
+    cfg = replace(drafter_config_for(target, 16), **changes)
+    state = random_drafter_state(cfg)
+    if mutate:
+        mutate(state)
+    save_drafter(tmp_path / "drafter", cfg, state)
+    return tmp_path / "drafter"
+
+
+def _target_embeddings(vocab=64, hidden=64):
+    from workers.layers import VocabParallelEmbedding
+    return VocabParallelEmbedding(vocab, hidden)
+
+
+def _set(name, value):
+    return lambda state: state.__setitem__(name, value)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (_set("d2t", torch.tensor([5])), r"d2t must be 16 integers, not torch.int64 \[1\]"),
+    (_set("d2t", torch.full((16,), 2.7)), "d2t must be 16 integers, not torch.float32"),
+    (_set("d2t", torch.full((16,), 1000)), "d2t maps draft tokens to ids outside the 64-token vocabulary"),
+    (_set("d2t", torch.full((16,), -1)), "d2t maps draft tokens to ids outside"),
+    (_set("t2d", torch.tensor([True])), r"t2d must be 64 bools, not torch.bool \[1\]"),
+    (_set("t2d", torch.ones(64, dtype=torch.long)), "t2d must be 64 bools, not torch.int64"),
+    (lambda s: s.pop("t2d"), "lacks t2d"),
+    (_set("lm_head.weight", torch.randn(40, 64)), r"'lm_head.weight' has shape \[40, 64\], .* \[16, 64\]"),
+    (_set("lm_head.weight", torch.randn(8, 64)), r"'lm_head.weight' has shape \[8, 64\]"),
+    (_set("midlayer.hidden_norm.weight", torch.ones(1)), r"'midlayer.hidden_norm.weight' has shape \[1\]"),
+    (_set("midlayer.self_attn.q_proj.weight", torch.randn(64, 64)),
+     r"q_proj.weight' has shape \[64, 64\], .* \[64, 128\]"),
+    (_set("junk", torch.zeros(1)), "unexpected tensor 'junk'"),
+])
+def test_wrong_drafter_tensors_are_refused(tmp_path, mutate, message):
+    path = _small_drafter(tmp_path, mutate)
+    with pytest.raises(ValueError, match=f"drafter {path}.*{message}"):
+        load_drafter(path, target_embeddings=_target_embeddings())
+
+
+def test_int8_scales_are_one_per_row(tmp_path):
+    def flat_scale(state):
+        quantized = quantize_int8(dict(state))
+        name = "midlayer.self_attn.o_proj.weight_scale"
+        quantized[name] = quantized[name].flatten()
+        state.clear()
+        state.update(quantized)
+
+    path = _small_drafter(tmp_path, flat_scale)
+    with pytest.raises(ValueError, match=r"o_proj.weight_scale has shape \[64\], expected \[rows, 1\]"):
+        load_drafter(path, target_embeddings=_target_embeddings())
+
+
+def test_aux_layer_ids_must_match_fc(tmp_path):
+    path = _small_drafter(tmp_path, aux_layer_ids=(0, 1))  # fc written for 3 aux layers
+    with pytest.raises(ValueError, match=r"drafter .*'fc.weight' has shape \[64, 192\], .* \[64, 128\]"):
+        load_drafter(path, target_embeddings=_target_embeddings())
+
+
+@pytest.mark.parametrize("changes, embeddings, message", [
+    (dict(target_hidden_size=48), (64, 64), "made for a target with 64 tokens and hidden size 48, not this one"),
+    (dict(), (100, 64), "made for a target with 64 tokens and hidden size 64, not this one \\(100, 64\\)"),
+    (dict(hidden_size=48, head_dim=12), (64, 64), "has hidden size 48 but no embed_tokens.weight of its own"),
+])
+def test_drafter_must_fit_the_target(tmp_path, changes, embeddings, message):
+    path = _small_drafter(tmp_path, **changes)
+    with pytest.raises(ValueError, match=f"drafter {path}.* {message}"):
+        load_drafter(path, target_embeddings=_target_embeddings(*embeddings))
+
+
+def test_engine_refuses_a_misfit_drafter_at_load(tmp_path, tiny_dir):
+    """A d2t leaving the vocabulary (a device assert on CUDA) fails while the engine loads, naming
+    the drafter, not in the first draft step."""
+    path = _small_drafter(tmp_path, _set("d2t", torch.full((16,), 60)))
+    with pytest.raises(ValueError, match=f"drafter {path}: d2t maps draft tokens to ids outside"):
+        tiny_engine(tiny_dir, path)

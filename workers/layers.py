@@ -15,6 +15,13 @@ def tp_rank_size(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def check_shape(full: torch.Tensor, expected, what: str) -> None:
+    """Every `load_full` checks the whole (unsharded) tensor first: narrow() and copy_() would
+    silently drop extra rows or columns and broadcast a size-1 tensor."""
+    if tuple(full.shape) != tuple(expected):
+        raise ValueError(f"{what} has shape {list(full.shape)}, but config.json implies {list(expected)}")
+
+
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(x, group=group)
@@ -43,12 +50,13 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(sum(self.output_sizes), in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(sum(self.output_sizes)), requires_grad=False) if bias else None
 
-    def load_full(self, full: torch.Tensor, index: int = 0, name: str = "weight") -> None:
+    def load_full(self, full: torch.Tensor, index: int = 0, name: str = "weight", what: str = "tensor") -> None:
         """Copy this rank's slice of sub-matrix `index` out of the full tensor."""
         local = self.output_sizes[index]
         start = sum(self.output_sizes[:index])
-        shard = full.narrow(0, self.rank * local, local)
-        getattr(self, name).data[start:start + local].copy_(shard)
+        param = getattr(self, name)
+        check_shape(full, (local * self.tp, *param.shape[1:]), what)
+        param.data[start:start + local].copy_(full.narrow(0, self.rank * local, local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -66,7 +74,8 @@ class RowParallelLinear(nn.Module):
         self.in_local = in_features // self.tp
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local), requires_grad=False)
 
-    def load_full(self, full: torch.Tensor, index: int = 0, name: str = "weight") -> None:
+    def load_full(self, full: torch.Tensor, index: int = 0, name: str = "weight", what: str = "tensor") -> None:
+        check_shape(full, (self.weight.shape[0], self.in_local * self.tp), what)
         self.weight.data.copy_(full.narrow(1, self.rank * self.in_local, self.in_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +87,8 @@ class ReplicatedLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
 
-    def load_full(self, full: torch.Tensor, index: int = 0, name: str = "weight") -> None:
+    def load_full(self, full: torch.Tensor, index: int = 0, name: str = "weight", what: str = "tensor") -> None:
+        check_shape(full, self.weight.shape, what)
         self.weight.data.copy_(full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,11 +102,13 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.rank, self.tp = tp_rank_size(group)
         self.group = group
+        self.vocab_size = vocab_size
         self.vocab_local = -(-vocab_size // self.tp)
         self.vocab_start = self.rank * self.vocab_local
         self.weight = nn.Parameter(torch.zeros(self.vocab_local, dim), requires_grad=False)
 
-    def load_full(self, full: torch.Tensor, index: int = 0, name: str = "weight") -> None:
+    def load_full(self, full: torch.Tensor, index: int = 0, name: str = "weight", what: str = "tensor") -> None:
+        check_shape(full, (self.vocab_size, self.weight.shape[1]), what)
         rows = full[self.vocab_start:self.vocab_start + self.vocab_local]
         self.weight.data[:rows.shape[0]].copy_(rows)
 
@@ -112,10 +124,6 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection split by vocabulary; logits gathered to full width on every rank."""
 
-    def __init__(self, vocab_size: int, dim: int, group=None):
-        super().__init__(vocab_size, dim, group)
-        self.vocab_size = vocab_size
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.weight)
         return all_gather_last_dim(logits, self.group)[..., :self.vocab_size]
@@ -127,7 +135,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
-    def load_full(self, full: torch.Tensor, index: int = 0, name: str = "weight") -> None:
+    def load_full(self, full: torch.Tensor, index: int = 0, name: str = "weight", what: str = "tensor") -> None:
+        check_shape(full, self.weight.shape, what)
         self.weight.data.copy_(full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

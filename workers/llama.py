@@ -27,20 +27,48 @@ class LlamaConfig:
     eos_token_id: int | list[int] | None = None
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "LlamaConfig":
+    def from_hf(cls, cfg: dict, source: str = "config.json") -> "LlamaConfig":
+        """A Hugging Face config.json, refused (naming `source`) unless it is a Llama this code runs as-is."""
+        def refuse(problem: str) -> ValueError:
+            return ValueError(f"{source}: {problem}")
+
+        arch = cfg.get("architectures") or ["LlamaForCausalLM"]
+        if cfg.get("model_type", "llama") != "llama" or arch != ["LlamaForCausalLM"]:
+            raise refuse(f"model_type {cfg.get('model_type')!r}, architectures {arch}: only Llama "
+                         "(LlamaForCausalLM) is supported")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise refuse(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+        for key in ("attention_bias", "mlp_bias"):
+            if cfg.get(key):
+                raise refuse(f"{key} is set; layers with biases are not supported")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        if rope.get("rope_type", "default") not in ("default", None):
-            raise ValueError(f"unsupported rope scaling {rope.get('rope_type')!r}")
-        heads = cfg["num_attention_heads"]
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise refuse(f"unsupported rope scaling {rope_type!r}")
+
+        def number(key: str, default=..., kind=int):  # default ...: required
+            value = cfg.get(key)
+            if value is None:
+                if default is ...:
+                    raise refuse(f"lacks {key}")
+                return default
+            if type(value) not in (int, kind) or not value > 0:
+                raise refuse(f"{key} must be a positive {kind.__name__}, not {value!r}")
+            return value
+
+        heads, hidden = number("num_attention_heads"), number("hidden_size")
+        kv_heads, head_dim = number("num_key_value_heads", heads), number("head_dim", None)
+        if heads % kv_heads:
+            raise refuse(f"num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}")
+        if head_dim is None and hidden % heads:
+            raise refuse(f"num_attention_heads {heads} does not divide hidden_size {hidden} (and no head_dim)")
         return cls(
-            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            vocab_size=number("vocab_size"), hidden_size=hidden, intermediate_size=number("intermediate_size"),
+            num_hidden_layers=number("num_hidden_layers"), num_attention_heads=heads, num_key_value_heads=kv_heads,
+            head_dim=head_dim or hidden // heads, rms_norm_eps=number("rms_norm_eps", 1e-5, float),
+            rope_theta=number("rope_theta", rope.get("rope_theta", 10000.0), float),
+            max_position_embeddings=number("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"))
 
     def max_len(self, requested: int) -> int:
