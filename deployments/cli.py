@@ -115,7 +115,14 @@ def run_to_completion(cfg, prompts: list[list[int]], params) -> list[dict]:
 def cmd_train_drafter(args) -> None:
     from speculative.train.config import TrainConfig
     from speculative.train.pipeline import train_drafter
-    fields = json.loads(args.config.read_text()) if args.config else {}
+    fields = {}
+    if args.config:
+        try:
+            fields = json.loads(args.config.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config {args.config} is not valid JSON: {e}") from None
+        if not isinstance(fields, dict) or not isinstance(fields.get("distill", {}), dict):
+            raise ValueError(f"config {args.config} must be a JSON object of TrainConfig fields (distill: an object)")
     fields.update({k: v for k, v in {"model": args.model, "output": args.output, "data": args.data,
                                      "max_steps": args.max_steps, "draft_vocab_size": args.draft_vocab_size,
                                      "ttt_steps": args.ttt_steps, "time_limit_s": args.time_limit,

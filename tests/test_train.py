@@ -2,6 +2,7 @@
 (self-distillation through the engine, training, resume, export) and the exported drafter's
 acceptance against a random one."""
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -15,15 +16,17 @@ from speculative.config import EngineConfig, SamplingParams
 from speculative.drafter import dequantize_int8, drafter_config_for, random_drafter_state, save_drafter
 from speculative.engine import LLMEngine, encode_prompt
 from speculative.train.config import DistillConfig, TrainConfig
-from speculative.train.data import (PAD_MULTIPLE, TokenStore, batches, collate, data_parts, length_sorted_chunks,
-                                    load_data, prompt_order, save_parts, self_distill,
+from speculative.train import data as train_data
+from speculative.train import trainer
+from speculative.train.data import (PAD_MULTIPLE, TokenStore, batches, collate, data_parts, distill_order,
+                                    length_sorted_chunks, load_data, prompt_order, save_parts, self_distill,
                                     self_distill_in_processes)
 from speculative.train.pipeline import train_drafter
 from speculative.train.trainer import init_drafter, load_target, train_step
 from speculative.train.ttt import loss_rows, ttt_loss, ttt_mask
 from workers.llama import LlamaConfig
 from tiny_models import tiny_llama
-from workers.loader import load_config
+from workers.loader import load_config, load_tokenizer
 
 QUESTIONS = ["How many legs do 3 cats have?", "What is 7 times 8?", "Name a red fruit.", "Spell the word cat.",
              "Count from one to five.", "Is the sky blue?", "What is 10 minus 4?", "Say hello twice."]
@@ -263,6 +266,46 @@ def test_token_store_parts_roundtrip(tmp_path, largest):
     assert back.prompt_lens.tolist() == [1, 1, 2, 1]
 
 
+def test_parts_survive_gaps_and_killed_writes(tmp_path, monkeypatch):
+    """A new part follows the highest one (a gap left by a deleted part is not filled over an
+    existing one), a killed write leaves no part, and a gap or a part cut short is an error naming it."""
+    for i in range(3):
+        save_parts(tmp_path, TokenStore.from_lists([[i, i]], [1]))
+    (tmp_path / "part-00001.safetensors").unlink()
+    assert [p.name for p in save_parts(tmp_path, TokenStore.from_lists([[9, 9]], [1]))] == ["part-00003.safetensors"]
+    assert TokenStore.load(tmp_path / "part-00002.safetensors").seq(0).tolist() == [2, 2]
+    with pytest.raises(ValueError, match="lacks part-00001.safetensors"):
+        load_data(tmp_path)
+
+    def killed(tensors, path):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 10)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train_data, "save_file", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_parts(tmp_path, TokenStore.from_lists([[8, 8]], [1]))
+    assert [p.name for p in data_parts(tmp_path)] == [f"part-0000{i}.safetensors" for i in (0, 2, 3)]
+    monkeypatch.undo()
+    (tmp_path / "part-00001.safetensors").write_bytes((tmp_path / "part-00000.safetensors").read_bytes()[:-4])
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "part-00001.safetensors"))):
+        load_data(tmp_path)
+
+
+def test_distillation_params_do_not_depend_on_the_jobs(tmp_path):
+    """A prompt's sampling choice and seed follow from its place in the order: jobs that continue
+    each other (skip) give what one job gives."""
+    model = tiny_target(tmp_path / "target")
+    cfg = DistillConfig(prompt_files=[str(questions_file(tmp_path))], num_prompts=16, num_passes=2, max_batch_size=2,
+                        sampled_fraction=0.5, max_prompt_len=128)
+
+    def params(skip):
+        return [(tuple(ids), p.temperature, p.seed) for ids, p in distill_order(cfg, load_tokenizer(model), skip)[1]]
+    one_job = params(0)
+    assert params(5) == one_job[5:] and params(9) == one_job[9:]
+    seeds = [seed for _, _, seed in one_job if seed is not None]
+    assert 0 < sum(t == 0 for _, t, _ in one_job[:len(QUESTIONS)]) < len(QUESTIONS) and len(set(seeds)) == len(seeds)
+
+
 def test_batches_pad_to_few_lengths():
     """Every sequence lands in exactly one batch per epoch, each batch keeps to the token budget
     with its rows padded as collate pads them, and the padded lengths come from a short list."""
@@ -422,3 +465,102 @@ def test_trained_drafter_beats_random(trained, tmp_path):
     save_drafter(tmp_path / "random", cfg, random_drafter_state(cfg))
     trained_len, random_len = acceptance(model, drafter), acceptance(model, tmp_path / "random")
     assert trained_len > random_len + 0.5, (trained_len, random_len)
+
+
+def test_checkpoint_survives_a_kill_while_saving(trained, tmp_path, monkeypatch):
+    """A run killed while writing a checkpoint resumes from the last whole one and ends with the
+    weights of a run straight through; a checkpoint file cut short is an error naming the checkpoint."""
+    model, drafter, _, _ = trained
+    straight = TrainConfig(model=str(model), output=str(tmp_path / "straight"), data=str(drafter.parent / "data"),
+                           draft_vocab_size=256, ttt_steps=2, lr=3e-3, warmup_steps=3, max_steps=6, batch_tokens=128,
+                           checkpoint_every=2, device="cpu", export_dtype="float32")
+    train_drafter(straight)
+    killed = straight.model_copy(update={"output": str(tmp_path / "killed")})
+    real_save_file, calls = trainer.save_file, []
+
+    def dies_in_the_second_save(tensors, path):  # the optimizer file of the step-4 checkpoint
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real_save_file(tensors, path)
+    monkeypatch.setattr(trainer, "save_file", dies_in_the_second_save)
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(killed)
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "killed.ckpt" / "trainer_state.json").read_text())["step"] == 2
+    assert train_drafter(killed)["step"] == 6
+    a, b = drafter_tensors(tmp_path / "straight"), drafter_tensors(tmp_path / "killed")
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    with open(tmp_path / "killed.ckpt" / "model.safetensors", "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint {tmp_path / 'killed.ckpt'} is unreadable")):
+        train_drafter(killed)
+
+
+def test_training_target_captures_the_drafters_aux_layers(trained, tmp_path):
+    """Trained further from a drafter that names its aux layers, the drafter is fed those layers (the
+    ones inference captures for it), on the first run and on resume."""
+    model, drafter, _, _ = trained
+    dcfg = drafter_config_for(LlamaConfig.from_hf(load_config(model)), 256, aux_layer_ids=(0, 1, 3))
+    save_drafter(tmp_path / "source", dcfg, random_drafter_state(dcfg))
+    cfg = TrainConfig(model=str(model), output=str(tmp_path / "out"), data=str(drafter.parent / "data"),
+                      init_from=str(tmp_path / "source"), draft_vocab_size=256, ttt_steps=2, max_steps=1,
+                      batch_tokens=128, device="cpu")
+    _, target, trained_drafter, *_ = trainer._setup(cfg, torch.device("cpu"), torch.float32)
+    assert target.aux_layer_ids == trained_drafter.cfg.aux_layer_ids == (0, 1, 3)
+    train_drafter(cfg)
+    resumed = cfg.model_copy(update={"init_from": None, "max_steps": 2})
+    _, target, trained_drafter, *_ = trainer._setup(resumed, torch.device("cpu"), torch.float32)
+    assert target.aux_layer_ids == trained_drafter.cfg.aux_layer_ids == (0, 1, 3)
+    with pytest.raises(ValueError, match="aux layers"):  # a target built with other layers
+        init_drafter(cfg, load_target(str(model), torch.device("cpu"), torch.float32), load_data(cfg.data_dir),
+                     tmp_path / "mismatch")
+
+
+def test_init_from_refuses_a_checkpoint_to_resume(trained, tmp_path):
+    """init_from with a checkpoint of the output present would be ignored (the run resumes): refused."""
+    model, drafter, _, _ = trained
+    cfg = TrainConfig(model=str(model), output=str(tmp_path / "out"), data=str(drafter.parent / "data"),
+                      draft_vocab_size=256, ttt_steps=2, max_steps=4, batch_tokens=128, device="cpu",
+                      time_limit_s=1e-6)
+    assert train_drafter(cfg)["step"] == 1
+    with pytest.raises(ValueError, match=re.escape(f"delete {tmp_path / 'out.ckpt'}")):
+        train_drafter(cfg.model_copy(update={"init_from": str(drafter), "time_limit_s": None}))
+
+
+def test_cli_train_drafter_errors(trained, tmp_path, monkeypatch):
+    """Bad prompt files, configs, sizes, data parts and --init-from drafters give one-line errors
+    naming the problem and the file, and a bad --init-from does so before distilling."""
+    from deployments.cli import main
+    model, drafter, _, _ = trained
+    monkeypatch.chdir(tmp_path)
+    files = {"noprompt.jsonl": '{"prompt": "hi"}\n{"text": "no prompt"}\n', "emptyprompt.jsonl": '{"prompt": ""}\n',
+             "empty.jsonl": "", "bad.json": '{"output": ', "list.json": "[1, 2]", "long.json": '{"max_seq_len": 5000}',
+             "small.json": '{"distill": {"max_tokens": 4, "max_batch_size": 4}}'}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    dcfg = drafter_config_for(LlamaConfig.from_hf(load_config(model)), 256)
+    save_drafter(tmp_path / "nofc", dcfg, {n: t for n, t in random_drafter_state(dcfg).items() if n != "fc.weight"})
+    data = str(drafter.parent / "data")
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "part-00000.safetensors").write_bytes(data_parts(data)[0].read_bytes())
+    (tmp_path / "cut" / "part-00001.safetensors").write_bytes(data_parts(data)[0].read_bytes()[:-4])
+    prompts = str(questions_file(tmp_path))
+    cases = [
+        (["--prompts", "noprompt.jsonl", "--distill-only"], 'noprompt.jsonl line 2: no non-empty "prompt"'),
+        (["--prompts", "emptyprompt.jsonl", "--distill-only"], "emptyprompt.jsonl line 1"),
+        (["--prompts", "empty.jsonl", "--distill-only"], "empty.jsonl hold no prompts"),
+        (["--data", data, "--draft-vocab-size", "60000"], "draft_vocab_size 60000 is larger than the vocabulary"),
+        (["--config", "bad.json"], "bad.json is not valid JSON"),
+        (["--config", "list.json"], "list.json must be a JSON object"),
+        (["--config", "long.json", "--data", data], "max_seq_len"),
+        (["--data", "cut"], "part-00001.safetensors is unreadable"),
+        (["--config", "small.json", "--prompts", prompts, "--data", "fresh", "--init-from", "nofc"],
+         "init_from nofc is not a usable drafter"),
+    ]
+    for args, expected in cases:
+        with pytest.raises(SystemExit) as error:
+            main(["train-drafter", "--model", str(model), "-o", "out", "--device", "cpu", "--max-steps", "1", *args])
+        message = str(error.value.code)
+        assert re.search(expected, message) and "\n" not in message, (args, message)
+    assert not (tmp_path / "fresh").exists()  # the bad --init-from was found before distilling

@@ -63,7 +63,7 @@ class TrainConfig(BaseModel):
     grad_clip: float = Field(0.5, gt=0.0)
     max_steps: int = Field(2000, ge=1)
     batch_tokens: int = Field(32768, ge=16)      # padded tokens per batch
-    max_seq_len: int = Field(1536, ge=8)         # longer sequences are cut
+    max_seq_len: int = Field(1536, ge=8, le=4096)  # longer sequences are cut (4096: the trainer's rotary tables)
     checkpoint_every: int = Field(200, ge=1)
     time_limit_s: float | None = Field(None, gt=0)  # checkpoint and stop after this (resume later)
     fit_steps_to_time: bool = False              # shrink max_steps so the LR schedule ends in time

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 from tqdm import tqdm
 
@@ -58,15 +59,23 @@ class TokenStore:
         return TokenStore(self.tokens[offsets[0]:offsets[-1]], offsets - offsets[0], self.prompt_lens[start:end])
 
     def save(self, path: Path) -> None:
-        """uint16 tokens when the vocabulary fits (half the bytes: parts travel between machines)."""
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        """uint16 tokens when the vocabulary fits (half the bytes: parts travel between machines).
+        Written under another name and renamed: a killed write leaves no part cut short."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tokens = self.tokens.astype(np.uint16) if self.tokens.size and self.tokens.max() < 2**16 else self.tokens
-        save_file({"tokens": tokens, "offsets": self.offsets, "prompt_lens": self.prompt_lens}, str(path))
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({"tokens": tokens, "offsets": self.offsets, "prompt_lens": self.prompt_lens}, str(tmp))
+        tmp.rename(path)
 
     @classmethod
     def load(cls, path: Path) -> "TokenStore":
-        t = load_file(str(path))
-        return cls(t["tokens"].astype(np.int32), t["offsets"], t["prompt_lens"])
+        try:
+            t = load_file(str(path))
+            return cls(t["tokens"].astype(np.int32), t["offsets"], t["prompt_lens"])
+        except (SafetensorError, KeyError) as e:
+            raise ValueError(f"data part {path} is unreadable ({e}): cut short by a killed copy? Copy it "
+                             "again, or delete it and the parts after it and distil them again") from e
 
 
 # 12 MB in uint16: a file that comes back from the H200 machine may have at most 16 MiB
@@ -82,17 +91,23 @@ def load_data(directory: Path) -> TokenStore:
     parts = data_parts(directory)
     if not parts:
         raise FileNotFoundError(f"no self-distilled data (part-*.safetensors) in {directory}")
+    missing = sorted({f"part-{i:05d}.safetensors" for i in range(len(parts))} - {p.name for p in parts})
+    if missing:  # the parts hold the order's prompts in turn: without one, the rest are off by its size
+        raise ValueError(f"data directory {directory} lacks {', '.join(missing)} before "
+                         f"{parts[-1].name}: restore the parts, or move those after the gap away")
     return TokenStore.concat([TokenStore.load(p) for p in parts])
 
 
 def save_parts(directory: Path, store: TokenStore, max_part_tokens: int = MAX_PART_TOKENS) -> list[Path]:
     """Append `store` to the directory as parts of at most `max_part_tokens` tokens each."""
+    parts = data_parts(directory)
+    index = int(parts[-1].stem.removeprefix("part-")) + 1 if parts else 0
     paths, start = [], 0
     while start < len(store):
         end = start + 1
         while end < len(store) and store.offsets[end + 1] - store.offsets[start] <= max_part_tokens:
             end += 1
-        paths.append(Path(directory) / f"part-{len(data_parts(directory)):05d}.safetensors")
+        paths.append(Path(directory) / f"part-{index + len(paths):05d}.safetensors")
         store.slice(start, end).save(paths[-1])
         start = end
     return paths
@@ -104,28 +119,37 @@ def read_prompts(files: list[str]) -> list[str]:
     for file in files:
         opener = gzip.open if str(file).endswith(".gz") else open
         with opener(file, "rt") as f:
-            for line in f:
+            for number, line in enumerate(f, 1):
                 if line.strip():
-                    row = json.loads(line)
-                    prompts.append(row.get("prompt") or row["question"])
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{file} line {number}: not JSON ({e})") from None
+                    prompt = (row.get("prompt") or row.get("question")) if isinstance(row, dict) else None
+                    if not isinstance(prompt, str) or not prompt.strip():
+                        raise ValueError(f'{file} line {number}: no non-empty "prompt" or "question" string')
+                    prompts.append(prompt)
+    if not prompts:
+        raise ValueError(f"the prompt files {', '.join(map(str, files))} hold no prompts")
     return prompts
 
 
 def distill_order(cfg: DistillConfig, tokenizer, skip: int = 0):
     """-> (number of prompts to distil, iterator of (prompt ids, SamplingParams) over the order
     after its first `skip` prompts). Passes after the first go through the order again, sampled;
-    `num_prompts` counts from the start of the order."""
+    `num_prompts` counts from the start of the order. A prompt's parameters depend on the seed and
+    its place in the order only, so jobs that continue each other give what one job would."""
     from speculative.config import SamplingParams
     from speculative.engine import encode_prompt
     texts = prompt_order(read_prompts(cfg.prompt_files), cfg)
-    passes = ((p, ids) for p in range(cfg.num_passes)
-              for ids in length_sorted_chunks((encode_prompt(tokenizer, t) for t in texts), 4 * cfg.max_batch_size,
-                                              cfg.max_prompt_len))
+    passes = ((p, k, ids) for p in range(cfg.num_passes)
+              for k, ids in enumerate(length_sorted_chunks((encode_prompt(tokenizer, t) for t in texts),
+                                                           4 * cfg.max_batch_size, cfg.max_prompt_len)))
 
     def order():
-        rng = random.Random(cfg.seed + 1)
         greedy = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens)
-        for p, ids in itertools.islice(passes, skip, None):
+        for p, k, ids in itertools.islice(passes, skip, None):
+            rng = random.Random(f"{cfg.seed}/{p}/{k}")  # a str seed: hashed the same in every process
             sampled = rng.random() < cfg.sampled_fraction or p > 0
             yield ids, (SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
                                        seed=rng.randrange(2**31)) if sampled else greedy)

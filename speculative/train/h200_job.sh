@@ -2,14 +2,15 @@
 # H200 commands for the SmolLM2-135M drafter. Parts (`h200_job.sh PART...`; default "train acceptance"):
 #   distill     self-distil one more stretch of the prompt order (DISTILL_S seconds, default 420) and
 #               return the new data parts in $OUT/data (DISTILL_SKIP=N: the order's first N prompts are
-#               left out, as when the parts that held them are lost; DISTILL_WORKERS=N: N engine
-#               processes share the GPU)
+#               left out, as when the parts that held them are lost; N counts positions in the order
+#               after prompts over max_prompt_len are dropped, as the parts' sequences do;
+#               DISTILL_WORKERS=N: N engine processes share the GPU)
 #   train       train and export (distilling first when no data is there; TRAIN_S overrides the
 #               config's training time limit; INIT_FROM=DIR starts from that drafter instead of a
 #               fresh one: the committed one, or an earlier job's fp32 checkpoint with an output of
 #               its own (INIT_FROM=/tmp/eagle/drafter.ckpt DRAFTER_OUT=/tmp/eagle/drafter2); RESUME=1
 #               continues the checkpoint that an earlier train job left on a warm machine, which is
-#               otherwise removed)
+#               otherwise removed (INIT_FROM is then not passed: the checkpoint already started from it))
 #   acceptance  measure the drafter's acceptance
 #   stepspeed   training steps/s with the loss over every row against the loss rows only
 #               (benchmarks/train_step_speed.py on the staged data)
@@ -38,7 +39,8 @@ if [[ " $PARTS " == *" distill "* ]]; then
 fi
 if [[ " $PARTS " == *" train "* ]]; then
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-    [[ -n "${RESUME:-}" ]] || rm -rf $DRAFTER.ckpt  # a new run, unless RESUME=1 (a warm machine keeps the last one)
+    # a new run, unless RESUME=1 (a warm machine keeps the last one; train-drafter refuses --init-from with it)
+    if [[ -n "${RESUME:-}" ]]; then INIT_FROM=; else rm -rf $DRAFTER.ckpt $DRAFTER.ckpt.tmp; fi
     $TRAIN ${TRAIN_S:+--time-limit $TRAIN_S} ${INIT_FROM:+--init-from $INIT_FROM} 2>&1 | tee "$OUT/train.log" \
         | grep -v "^\s*$" | tail -c 4000
     # at most 8 files of at most 16 MiB come back: the weight shards as they are, the JSON in one tar

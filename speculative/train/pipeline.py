@@ -10,7 +10,7 @@ import torch
 from speculative.train.config import TrainConfig
 from speculative.train.data import (TokenStore, data_parts, load_data, save_parts, self_distill,
                                     self_distill_in_processes)
-from speculative.train.trainer import train
+from speculative.train.trainer import check_config, train
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,8 @@ def train_drafter(cfg: TrainConfig, distill_only: bool = False) -> dict:
     """Distil when the data directory is empty, then train; with `distill_only`, add the parts of
     one more distillation run and stop (returns what the directory then holds)."""
     if distill_only or not data_parts(cfg.data_dir):
+        if not distill_only:
+            check_config(cfg)  # its errors now, not after minutes of distilling
         store = distill(cfg)
         if len(store):
             log.info("wrote %s", ", ".join(str(p) for p in save_parts(cfg.data_dir, store)))

@@ -4,20 +4,23 @@ safetensors + JSON metadata, no pickle), resume, and export in the standard EAGL
 import json
 import logging
 import math
+import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from speculative.drafter import (Eagle3Drafter, drafter_config_for, drafter_state_dict, load_drafter,
-                                 quantize_int8, random_drafter_state, save_drafter)
+from speculative.drafter import (DrafterConfig, Eagle3Drafter, drafter_config_for, drafter_state_dict,
+                                 load_drafter, quantize_int8, random_drafter_state, save_drafter)
 from speculative.train.config import TrainConfig
 from speculative.train.data import TokenStore, batches, collate, draft_vocab, load_data
 from speculative.train.target import target_draft_probs, target_features
 from speculative.train.ttt import loss_rows, ttt_forward, ttt_loss
+from workers.layers import VocabParallelEmbedding
 from workers.llama import Llama, LlamaConfig
 from workers.loader import load_config, load_target_weights, resolve_model
 from workers.device import pick_device, pick_dtype
@@ -25,11 +28,56 @@ from workers.device import pick_device, pick_dtype
 log = logging.getLogger(__name__)
 
 
-def load_target(model: str, device: torch.device, dtype: torch.dtype) -> Llama:
+def load_target(model: str, device: torch.device, dtype: torch.dtype,
+                aux_layer_ids: tuple[int, ...] | None = None) -> Llama:
+    """The frozen target, capturing `aux_layer_ids` (those of the drafter it trains; None: the default)."""
     model_dir = resolve_model(model)
-    target = Llama(LlamaConfig.from_hf(load_config(model_dir)))
+    target = Llama(LlamaConfig.from_hf(load_config(model_dir)), aux_layer_ids=aux_layer_ids)
     load_target_weights(target, model_dir)
     return target.to(device, dtype).eval()
+
+
+def load_source(path: str, target_cfg: LlamaConfig, target_embeddings=None) -> Eagle3Drafter:
+    """The init_from drafter, or a ValueError that says why it cannot be trained further for this
+    target. Without the target's embeddings (the check before distilling), a stand-in without storage."""
+    if target_embeddings is None:
+        with torch.device("meta"):
+            target_embeddings = VocabParallelEmbedding(target_cfg.vocab_size, target_cfg.hidden_size)
+    try:
+        source = load_drafter(Path(path), target_embeddings=target_embeddings)
+    except (OSError, KeyError, RuntimeError, ValueError, SafetensorError) as e:
+        raise ValueError(f"init_from {path} is not a usable drafter: {e}") from e
+    aux = source.cfg.aux_layer_ids or target_cfg.default_aux_layer_ids()  # load_drafter checked the rest
+    if max(aux) >= target_cfg.num_hidden_layers:
+        raise ValueError(f"init_from {path} reads aux layers {aux}; the target has {target_cfg.num_hidden_layers}")
+    return source
+
+
+def checkpoint_state(ckpt: Path) -> dict | None:
+    """The trainer state of the checkpoint in `ckpt`, None when there is none."""
+    tmp = ckpt.with_name(ckpt.name + ".tmp")
+    if not ckpt.exists() and (tmp / "trainer_state.json").is_file():  # killed between save_checkpoint's renames
+        tmp.rename(ckpt)
+    try:
+        return json.loads((ckpt / "trainer_state.json").read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        raise _unreadable(ckpt, e) from e
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """The errors of a training config that would otherwise show only after distilling."""
+    target_cfg = LlamaConfig.from_hf(load_config(resolve_model(cfg.model)))
+    if cfg.draft_vocab_size > target_cfg.vocab_size:
+        raise ValueError(f"draft_vocab_size {cfg.draft_vocab_size} is larger than the vocabulary of "
+                         f"{cfg.model} ({target_cfg.vocab_size} tokens)")
+    if cfg.init_from:
+        if checkpoint_state(cfg.checkpoint_dir):
+            raise ValueError(f"{cfg.checkpoint_dir} holds a checkpoint to resume, which init_from would not "
+                             f"start from: delete {cfg.checkpoint_dir} to start from {cfg.init_from}, or leave "
+                             "init_from out to resume")
+        load_source(cfg.init_from, target_cfg)
 
 
 def init_drafter(cfg: TrainConfig, target: Llama, store: TokenStore, path: Path) -> Eagle3Drafter:
@@ -48,11 +96,10 @@ def init_drafter(cfg: TrainConfig, target: Llama, store: TokenStore, path: Path)
         state = random_drafter_state(dcfg, len(target.aux_layer_ids), cfg.seed)
         state["norm.weight"] = target.norm.weight.float().cpu()
     else:
-        source = load_drafter(Path(cfg.init_from), target_embeddings=target.embed_tokens)
-        if source.cfg.target_hidden_size != target.cfg.hidden_size or len(source.t2d) != target.cfg.vocab_size:
-            raise ValueError(f"init_from {cfg.init_from} was made for a target with hidden size "
-                             f"{source.cfg.target_hidden_size} and {len(source.t2d)} tokens, not this one "
-                             f"({target.cfg.hidden_size}, {target.cfg.vocab_size})")
+        source = load_source(cfg.init_from, target.cfg, target.embed_tokens)
+        if (source.cfg.aux_layer_ids or target.cfg.default_aux_layer_ids()) != target.aux_layer_ids:
+            raise ValueError(f"init_from {cfg.init_from} reads aux layers {source.cfg.aux_layer_ids}, the target "
+                             f"captures {target.aux_layer_ids}: build it with load_target(..., aux_layer_ids)")
         dcfg = replace(source.cfg, draft_vocab_size=cfg.draft_vocab_size)
         state = {n: t.float() if t.is_floating_point() else t for n, t in drafter_state_dict(source).items()}
         source_head = state.pop("lm_head.weight")
@@ -86,7 +133,13 @@ def _append_ones(rows: torch.Tensor) -> torch.Tensor:
 
 def save_checkpoint(path: Path, drafter: Eagle3Drafter, optimizer, step: int, metrics: dict,
                     max_steps: int) -> None:
-    save_drafter(path, drafter.cfg, drafter_state_dict(drafter))
+    """Written whole beside `path` (trainer_state.json last), then swapped in by renames: a run killed
+    at any point leaves the previous checkpoint or this one (`checkpoint_state` completes the swap)."""
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_drafter(tmp, drafter.cfg, drafter_state_dict(drafter))
+    if (path / "vocab_coverage.json").is_file():
+        shutil.copy(path / "vocab_coverage.json", tmp)
     names = {id(p): n for n, p in drafter.named_parameters()}
     tensors = {}
     for group in optimizer.param_groups:
@@ -94,13 +147,30 @@ def save_checkpoint(path: Path, drafter: Eagle3Drafter, optimizer, step: int, me
             for key, value in optimizer.state.get(p, {}).items():
                 tensors[f"{names[id(p)]}.{key}"] = value.detach().float().reshape(-1).cpu().contiguous()
     # its own folder: load_drafter reads every *.safetensors beside config.json
-    (path / "optimizer").mkdir(exist_ok=True)
-    save_file(tensors, str(path / "optimizer" / "optimizer.safetensors"))
-    (path / "trainer_state.json").write_text(json.dumps({"step": step, "max_steps": max_steps, "metrics": metrics}, indent=2))
+    (tmp / "optimizer").mkdir()
+    save_file(tensors, str(tmp / "optimizer" / "optimizer.safetensors"))
+    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "max_steps": max_steps, "metrics": metrics}, indent=2))
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
 
 
-def load_optimizer_state(path: Path, drafter: Eagle3Drafter, optimizer) -> None:
-    tensors = load_file(str(path / "optimizer" / "optimizer.safetensors"))
+def load_checkpoint(ckpt: Path, target: Llama) -> tuple[Eagle3Drafter, dict[str, torch.Tensor]]:
+    """The checkpoint's drafter and optimizer tensors."""
+    try:
+        return (load_drafter(ckpt, target_embeddings=target.embed_tokens),
+                load_file(str(ckpt / "optimizer" / "optimizer.safetensors")))
+    except (OSError, KeyError, RuntimeError, ValueError, SafetensorError) as e:
+        raise _unreadable(ckpt, e) from e
+
+
+def _unreadable(ckpt: Path, e: Exception) -> ValueError:
+    return ValueError(f"checkpoint {ckpt} is unreadable ({e}): delete it to start over")
+
+
+def load_optimizer_state(tensors: dict[str, torch.Tensor], drafter: Eagle3Drafter, optimizer) -> None:
     for name, p in drafter.named_parameters():
         if p.requires_grad and f"{name}.exp_avg" in tensors:
             optimizer.state[p] = {
@@ -140,19 +210,25 @@ def batch_stream(cfg: TrainConfig, store: TokenStore, skip: int):
 
 
 def _setup(cfg: TrainConfig, device, dtype):
+    check_config(cfg)
     store = load_data(cfg.data_dir)
-    target = load_target(cfg.model, device, dtype)
     ckpt = cfg.checkpoint_dir
-    state = json.loads((ckpt / "trainer_state.json").read_text()) if (ckpt / "trainer_state.json").is_file() else None
-    drafter = load_drafter(ckpt, target_embeddings=target.embed_tokens) if state \
-        else init_drafter(cfg, target, store, ckpt)
+    state = checkpoint_state(ckpt)
+    # the target captures the aux layers of the drafter it trains (those inference captures for it)
+    drafter_dir = ckpt if state else cfg.init_from
+    aux = DrafterConfig.from_hf(load_config(Path(drafter_dir))).aux_layer_ids if drafter_dir else None
+    target = load_target(cfg.model, device, dtype, aux)
+    if state:
+        drafter, optimizer_tensors = load_checkpoint(ckpt, target)
+    else:
+        drafter = init_drafter(cfg, target, store, ckpt)
     drafter.to(device)
     params = [p for n, p in drafter.named_parameters() if not n.startswith("embed_tokens")]
     for p in params:
         p.requires_grad_(True)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     if state:
-        load_optimizer_state(ckpt, drafter, optimizer)
+        load_optimizer_state(optimizer_tensors, drafter, optimizer)
         log.info("resumed from %s at step %d", ckpt, state["step"])
         if state["step"] >= state["max_steps"]:
             log.warning("the checkpoint in %s is complete: nothing to train (delete it to start over)", ckpt)
