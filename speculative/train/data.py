@@ -140,11 +140,15 @@ def distill_order(cfg: DistillConfig, tokenizer, skip: int = 0):
     `num_prompts` counts from the start of the order. A prompt's parameters depend on the seed and
     its place in the order only, so jobs that continue each other give what one job would."""
     from speculative.config import SamplingParams
-    from speculative.engine import encode_prompt
+    from speculative.engine import encode_chats
     texts = prompt_order(read_prompts(cfg.prompt_files), cfg)
+    chunk = 4 * cfg.max_batch_size
+
+    def encoded():  # a chunk at a time: the fast tokenizer encodes a batch in parallel
+        for start in range(0, len(texts), chunk):
+            yield from encode_chats(tokenizer, [[{"role": "user", "content": t}] for t in texts[start:start + chunk]])
     passes = ((p, k, ids) for p in range(cfg.num_passes)
-              for k, ids in enumerate(length_sorted_chunks((encode_prompt(tokenizer, t) for t in texts),
-                                                           4 * cfg.max_batch_size, cfg.max_prompt_len)))
+              for k, ids in enumerate(length_sorted_chunks(encoded(), chunk, cfg.max_prompt_len)))
 
     def order():
         greedy = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens)
