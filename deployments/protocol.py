@@ -117,10 +117,14 @@ class _SamplingRequest(BaseModel):
         """None: no log-probabilities; else the sampled token's and this many top ones."""
         return None
 
+    def num_prompt_logprobs(self) -> int | None:
+        return None
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                               max_tokens=self.max_tokens or default_max_tokens, stop=self.stop or [],
                               ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(),
+                              prompt_logprobs=self.num_prompt_logprobs(),
                               frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty)
 
 
@@ -143,12 +147,15 @@ class ChatCompletionRequest(_SamplingRequest):
 
 class CompletionRequest(_SamplingRequest):
     prompt: Annotated[str | list[str] | list[Annotated[int, Strict()]], _PROMPT]  # strict: no booleans
-    echo: bool = Field(False)
+    echo: bool = False  # the prompt before the completion, in the text and the logprobs
     max_tokens: int | None = Field(16, ge=1)
     logprobs: Annotated[int, Strict()] | None = Field(None, ge=0, le=20)  # OpenAI's limit is 5, vLLM's 20
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     @field_validator("prompt")
     @classmethod
@@ -159,13 +166,6 @@ class CompletionRequest(_SamplingRequest):
             return v[0]
         if isinstance(v, list) and not v:
             raise ValueError("the prompt is empty")
-        return v
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v):
-        if v:
-            raise ValueError("echo is not supported")
         return v
 
 

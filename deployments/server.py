@@ -182,8 +182,10 @@ class OpenAIIngress:
             if left <= 0:
                 yield RequestOutput(rid, [], "", "length")
                 return
+            # a resumed request's prompt holds sent tokens: its prompt log-probabilities went out already
+            resumed = {"max_tokens": left} | ({"prompt_logprobs": None} if attempt else {})
             current[0] = self.server.generate.remote(f"{rid}.{attempt}" if attempt else rid, prompt_ids + sent,
-                                                     params.model_copy(update={"max_tokens": left}))
+                                                     params.model_copy(update=resumed))
             try:
                 async for item in current[0]:
                     sent += item.new_token_ids
@@ -268,7 +270,12 @@ class OpenAIIngress:
             return usage(len(prompt_ids), sum(s["tokens"] for s in states))
 
         def token_logprobs(item):
-            return list(zip(item.new_token_ids, item.logprobs or [])) if params.logprobs is not None else None
+            if params.logprobs is None:
+                return None
+            prompt = []
+            if item.prompt_logprobs is not None:  # echo: the prompt's tokens first, the first one without
+                prompt = [(prompt_ids[0], None)] + list(zip(prompt_ids[1:], item.prompt_logprobs))
+            return prompt + list(zip(item.new_token_ids, item.logprobs or []))
 
         if not stream:
             texts, logprobs = [[] for _ in range(n)], [[] for _ in range(n)]
@@ -345,10 +352,18 @@ class OpenAIIngress:
         params = self._sampling(req, prompt_ids, req.max_tokens, "prompt")
         cid, created = completion_id("cmpl"), now()
         offsets = [0] * req.n  # text_offset: where each choice's next token starts
+        echo = set() if req.echo else set(range(req.n))  # choices whose text has its prompt already
+        prompt_text = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(prompt_ids)
+
+        def text_of(index, text):
+            if index in echo:
+                return text or ""
+            echo.add(index)
+            return prompt_text + (text or "")
 
         def chunk(index, text, finish, logprobs, usage_=None):
             body = {"id": cid, "object": "text_completion", "created": created, "model": self.cfg.model_name,
-                    "choices": [] if usage_ else [{"index": index, "text": text or "", "finish_reason": finish,
+                    "choices": [] if usage_ else [{"index": index, "text": text_of(index, text), "finish_reason": finish,
                                                    "logprobs": self._completion_logprobs(logprobs, offsets, index)}]}
             if usage_:
                 body["usage"] = usage_
@@ -356,7 +371,7 @@ class OpenAIIngress:
 
         def full(choices, usage_):
             return {"id": cid, "object": "text_completion", "created": created, "model": self.cfg.model_name,
-                    "choices": [{"index": i, "text": text, "finish_reason": finish,
+                    "choices": [{"index": i, "text": text_of(i, text), "finish_reason": finish,
                                  "logprobs": self._completion_logprobs(logprobs, offsets, i)}
                                 for i, (text, finish, logprobs) in enumerate(choices)], "usage": usage_}
         include = bool(req.stream_options and req.stream_options.include_usage)
@@ -380,8 +395,9 @@ class OpenAIIngress:
         for text in tokens:
             text_offset.append(offsets[index])
             offsets[index] += len(text)
-        return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in logprobs], "text_offset": text_offset,
-                "top_logprobs": [{self.tokenizer.decode([i]): v for i, v in top} for _, (_, top) in logprobs]}
+        return {"tokens": tokens, "token_logprobs": [entry and entry[0] for _, entry in logprobs],
+                "text_offset": text_offset,  # echo: the prompt's first token has no log-probabilities
+                "top_logprobs": [entry and {self.tokenizer.decode([i]): v for i, v in entry[1]} for _, entry in logprobs]}
 
     def _model_card(self) -> dict:
         return {"id": self.cfg.model_name, "object": "model", "created": now(), "owned_by": "eagleserve"}

@@ -21,6 +21,7 @@ class SamplingParams(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logprobs: int | None = Field(None, ge=0, le=20)  # None: off; else the chosen token's + this many top ones
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # the same for the prompt's tokens (after the first)
 
     @field_validator("temperature")
     @classmethod

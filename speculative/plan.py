@@ -29,11 +29,13 @@ class StepPlan:
     use_top_k_top_p: bool = False
     num_logprobs: int | None = None  # some row wants log-probabilities, with this many top tokens at most
     use_penalties: bool = False      # some row has a frequency or presence penalty
+    num_prompt_logprobs: int | None = None  # some prefill wants its prompt's log-probabilities
 
     @property
     def graphable(self) -> bool:
         """Greedy, without log-probabilities or penalties: the CUDA graphs' form (the eager path does the rest)."""
-        return self.all_greedy and self.num_logprobs is None and not self.use_penalties
+        return self.all_greedy and self.num_logprobs is None and not self.use_penalties \
+            and self.num_prompt_logprobs is None
 
     @property
     def slots(self) -> list[int]:
@@ -57,3 +59,6 @@ class StepResult:
     logprobs: np.ndarray | None = None
     top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
+    # with plan.num_prompt_logprobs, per prefill row and prompt position t: prompt token t's
+    # log-probability after tokens < t [prefills, T], and the top ones [prefills, T, num_prompt_logprobs]
+    prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None

@@ -53,6 +53,7 @@ class RequestOutput:
     acceptance_length: float = 1.0   # the request's mean so far
     # with params.logprobs, per new token: (its log-probability, [(id, log-probability)] of the top ones)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # the prompt's tokens 1.., once
 
 
 @dataclass
@@ -63,6 +64,16 @@ class StepStats:
     num_draft_proposed: int = 0
     num_draft_accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # per draft position
+
+
+def _logprobs(arrays: tuple | None, row: int, columns, n: int | None) -> list | None:
+    """(log-probability, top n [(id, log-probability)]) per column of a row of StepResult's
+    (chosen, top ids, top log-probabilities) arrays; None when the request asked for none."""
+    if n is None:
+        return None
+    chosen, top_ids, top_logprobs = arrays
+    return [(float(chosen[row, j]), list(zip(top_ids[row, j, :n].tolist(), top_logprobs[row, j, :n].tolist())))
+            for j in columns]
 
 
 class Scheduler:
@@ -170,7 +181,9 @@ class Scheduler:
             all_greedy=all(r.params.is_greedy for r in rows),
             use_top_k_top_p=any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows),
             num_logprobs=max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None),
-            use_penalties=any(r.params.frequency_penalty or r.params.presence_penalty for r in rows))
+            use_penalties=any(r.params.frequency_penalty or r.params.presence_penalty for r in rows),
+            num_prompt_logprobs=max((r.params.prompt_logprobs for r in prefills if r.params.prompt_logprobs is not None),
+                                    default=None))
         self.slots_to_release = []
         self.rows_of_step[step_id] = [r.request_id for r in rows]
         return plan
@@ -191,13 +204,12 @@ class Scheduler:
                 emitted = int(result.num_emitted[row])
                 if row >= num_prefills:
                     self._count_acceptance(r, emitted)
-                logprobs = None
-                if r.params.logprobs is not None:
-                    n = r.params.logprobs
-                    logprobs = [(float(result.logprobs[row, j]),
-                                 list(zip(result.top_ids[row, j, :n].tolist(), result.top_logprobs[row, j, :n].tolist())))
-                                for j in range(emitted)]
+                logprobs = _logprobs((result.logprobs, result.top_ids, result.top_logprobs), row, range(emitted),
+                                     r.params.logprobs)
                 outputs.append(self._append(r, result.tokens[row, :emitted].tolist(), logprobs))
+                if row < num_prefills:
+                    outputs[-1].prompt_logprobs = _logprobs(result.prompt_logprobs, row, range(1, len(r.prompt_ids)),
+                                                            r.params.prompt_logprobs)
             if r.is_finished and r.in_flight == 0 and r.slot is not None:  # _finish may have released it
                 self._release(r)
         return outputs

@@ -98,19 +98,21 @@ def test_greedy_accepting_drafts_joining_batch(tiny_dir, tiny_drafter_dir, promp
 
 
 @pytest.mark.parametrize("sampled", [False, True])
-def test_logprobs_are_the_targets_own(tiny_dir, tiny_drafter_dir, prompts, plain_ref, sampled):
+def test_logprobs_are_the_targets_own(tiny_dir, tiny_drafter_dir, prompts, plain_ref, sampled, monkeypatch):
     """Every emitted token's log-probability, and the top ones, equal a Hugging Face forward's over
     prompt + output (before temperature, as vLLM reports them): requests joining mid-flight, drafts
-    accepted at every depth (greedy, oracle drafts) or sampled rows; a request that asks for none
-    gets none, and its batch neighbours' requests do not change its tokens."""
+    accepted at every depth (greedy, oracle drafts) or sampled rows; so do the prompt's (echo), for
+    prompts of different lengths prefilled together; a request that asks for none gets none, and its
+    batch neighbours' requests do not change its tokens. (Sampled: the prompt's in chunks of 7 positions.)"""
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
     counts = [3, None, 0, 5, None, 2, 1]
     engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, max_batch_size=4, overlap=False)
     outputs = {}
     if sampled:
-        params = [SamplingParams(temperature=0.9, top_k=20, seed=i, max_tokens=24, ignore_eos=True, logprobs=n)
-                  for i, n in enumerate(counts)]
+        monkeypatch.setattr(ModelRunner._prompt_logprobs, "__defaults__", (7,))
+        params = [SamplingParams(temperature=0.9, top_k=20, seed=i, max_tokens=24, ignore_eos=True, logprobs=n,
+                                 prompt_logprobs=n) for i, n in enumerate(counts)]
         index, pending, steps = {}, list(range(len(prompts))), 0
         while pending or engine.has_work:
             while pending and JOINS[pending[0]] <= steps:
@@ -120,7 +122,7 @@ def test_logprobs_are_the_targets_own(tiny_dir, tiny_drafter_dir, prompts, plain
                 outputs.setdefault(index[out.request_id], []).append(out)
             steps += 1
     else:
-        params = [GREEDY.model_copy(update={"logprobs": n}) for n in counts]
+        params = [GREEDY.model_copy(update={"logprobs": n, "prompt_logprobs": n}) for n in counts]
         requests = run_with_oracle(engine, prompts, plain_ref, JOINS, corrupt_p=0.2, params=params, outputs=outputs)
         assert [r.output_ids for r in requests] == plain_ref
         assert engine.scheduler.stats.accepted_at[-1] > 0
@@ -128,17 +130,21 @@ def test_logprobs_are_the_targets_own(tiny_dir, tiny_drafter_dir, prompts, plain
         tokens = [t for out in outputs[i] for t in out.new_token_ids]
         got = [lp for out in outputs[i] for lp in (out.logprobs or [])]
         if n is None:
-            assert all(out.logprobs is None for out in outputs[i])
+            assert all(out.logprobs is None and out.prompt_logprobs is None for out in outputs[i])
             continue
         assert len(got) == len(tokens) > 0
+        assert all(out.prompt_logprobs is None for out in outputs[i][1:])
         with torch.no_grad():
-            logp = hf(torch.tensor([prompts[i] + tokens])).logits[0].log_softmax(-1)[len(prompts[i]) - 1:-1]
-        torch.testing.assert_close(torch.tensor([lp for lp, _ in got]), logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0],
-                                   rtol=1e-4, atol=1e-4)
-        top = logp.topk(n, -1)
-        assert [[t for t, _ in top_] for _, top_ in got] == top.indices.tolist()
-        torch.testing.assert_close(torch.tensor([[v for _, v in top_] for _, top_ in got]).view(len(got), n), top.values,
-                                   rtol=1e-4, atol=1e-4)
+            logp = hf(torch.tensor([prompts[i] + tokens])).logits[0].log_softmax(-1)[:-1]
+        sequence = torch.tensor(prompts[i] + tokens)[1:]
+        for j, got in ((slice(len(prompts[i]) - 1, None), got), (slice(None, len(prompts[i]) - 1),
+                                                                 outputs[i][0].prompt_logprobs)):
+            torch.testing.assert_close(torch.tensor([lp for lp, _ in got]), logp[j].gather(-1, sequence[j, None])[:, 0],
+                                       rtol=1e-4, atol=1e-4)
+            top = logp[j].topk(n, -1)
+            assert [[t for t, _ in top_] for _, top_ in got] == top.indices.tolist()
+            torch.testing.assert_close(torch.tensor([[v for _, v in top_] for _, top_ in got]).view(len(got), n),
+                                       top.values, rtol=1e-4, atol=1e-4)
 
 
 def penalised_greedy(model_dir, prompt: list[int], params: SamplingParams) -> list[int]:

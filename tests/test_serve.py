@@ -143,6 +143,28 @@ def test_logprobs(client, alone):
     assert all(len(top) == 3 and max(top.values()) == pytest.approx(v) for top, v in zip(lp.top_logprobs, lp.token_logprobs))
 
 
+def test_echo_returns_the_prompt_and_its_logprobs(client):
+    """echo (as lm-eval's loglikelihood requests use it): the prompt before the completion, its tokens'
+    log-probabilities (the first has none) before the completion's, streamed alike."""
+    prompt, kw = "The capital of France is", dict(model=MODEL, max_tokens=3, temperature=0, logprobs=2)
+    plain = client.completions.create(prompt=prompt, **kw)
+    r = client.completions.create(prompt=prompt, echo=True, **kw)
+    c, n = r.choices[0], r.usage.prompt_tokens
+    assert c.text == prompt + plain.choices[0].text
+    lp = c.logprobs
+    assert len(lp.tokens) == n + 3 and "".join(lp.tokens) == c.text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 and len(top) == 2 for v, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]))
+    assert lp.token_logprobs[n:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(n + 3)]
+    chunks = [ch.choices[0] for ch in client.completions.create(prompt=prompt, echo=True, stream=True, **kw)
+              if ch.choices]
+    assert "".join(ch.text for ch in chunks) == c.text
+    assert [t for ch in chunks if ch.logprobs for t in ch.logprobs.tokens] == lp.tokens
+    bare = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True)
+    assert bare.choices[0].text == c.text and bare.choices[0].logprobs is None
+
+
 def test_penalties_reach_the_engine(client, alone):
     """A frequency penalty changes a greedy answer that repeats tokens (exactness: test_lossless)."""
     question = "Count to five."

@@ -140,7 +140,8 @@ class ModelRunner:
             start_event.record()
         with no_host_sync(self.check_host_sync):
             tokens, num_emitted, logprobs = self._run(plan, inputs)
-        output = send_back(plan.step_id, tokens, num_emitted, time.perf_counter() - start, logprobs)
+        output = send_back(plan.step_id, tokens, num_emitted, time.perf_counter() - start, logprobs,
+                           self.prompt_logprobs)
         output.start_event = start_event
         output.received_at, output.launched_at = received_at, time.time()
         return output
@@ -150,6 +151,7 @@ class ModelRunner:
         (`token_logprobs`, each [rows, K+1, ...])."""
         outs, seeds = [], []
         self.logprob_parts = []  # filled by the eager prefill and verify, rows in order
+        self.prompt_logprobs = None  # filled by the eager prefill
         if plan.use_penalties and self.output_counts is None:
             self.output_counts = torch.zeros(self.num_slots + 1, self.target_cfg.vocab_size, dtype=torch.int32,
                                              device=self.device)
@@ -212,6 +214,8 @@ class ModelRunner:
             K = self.K
             self.logprob_parts.append((F.pad(chosen, (0, K)), F.pad(top_ids, (0, 0, 0, K)),
                                        F.pad(top_logprobs, (0, 0, 0, K))))
+        if plan is not None and plan.num_prompt_logprobs is not None:
+            self.prompt_logprobs = self._prompt_logprobs(hidden, ids, plan.num_prompt_logprobs)
         self.last_token.index_copy_(0, slots, token)
         self.num_computed.index_copy_(0, slots, lens)
         if self.drafter is None:
@@ -223,6 +227,21 @@ class ModelRunner:
         self._record(slots, positions, ids)
         self._record(slots, lens.unsqueeze(1), token.unsqueeze(1))  # after: it overwrites the padding at lens
         return token, last, self._propose(last, slots, lens - 1)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, ids: torch.Tensor, num_top: int, chunk: int = 512) -> tuple:
+        """`token_logprobs` of the prompts' tokens ids [B, T] after the tokens before them (column t:
+        token t; column 0 and the padding hold zeros), a row and `chunk` positions at a time: a
+        prompt's logits over the whole vocabulary at once could take GBs."""
+        B, T = ids.shape
+        chosen = torch.zeros(B, T, device=self.device)
+        top_ids = torch.zeros(B, T, num_top, dtype=torch.long, device=self.device)
+        top_logprobs = torch.zeros(B, T, num_top, device=self.device)
+        for b in range(B):
+            for s in range(0, T - 1, chunk):
+                e = min(s + chunk, T - 1)
+                c, i, v = token_logprobs(self.target.logits(hidden[b:b + 1, s:e]), ids[b:b + 1, s + 1:e + 1], num_top)
+                chosen[b, s + 1:e + 1], top_ids[b, s + 1:e + 1], top_logprobs[b, s + 1:e + 1] = c[0], i[0], v[0]
+        return chosen, top_ids, top_logprobs
 
     def _sample_one(self, plan, logits, slots, positions) -> torch.Tensor:
         """logits [B, 1, V] -> one token per row, the token at `positions` [B]."""

@@ -18,6 +18,7 @@ class StepOutput:
     event: torch.cuda.Event | None
     execute_s: float
     logprobs: tuple[torch.Tensor, ...] | None = None  # (token logprobs, top ids, top logprobs)
+    prompt_logprobs: tuple[torch.Tensor, ...] | None = None  # the same over the prefills' prompts
     start_event: torch.cuda.Event | None = None
     received_at: float = 0.0
     launched_at: float = 0.0
@@ -28,8 +29,9 @@ class StepOutput:
             self.event.synchronize()
             device_s = self.start_event.elapsed_time(self.event) / 1000
         logprobs = [t.numpy() for t in self.logprobs] if self.logprobs is not None else [None] * 3
+        prompt = tuple(t.numpy() for t in self.prompt_logprobs) if self.prompt_logprobs is not None else None
         return StepResult(self.step_id, self.tokens.numpy(), self.num_emitted.numpy(), self.execute_s, device_s,
-                          self.received_at, self.launched_at, time.time(), *logprobs)
+                          self.received_at, self.launched_at, time.time(), *logprobs, prompt)
 
 
 def prepare_inputs(plan: StepPlan, device: torch.device) -> dict[str, torch.Tensor]:
@@ -54,18 +56,21 @@ def prepare_inputs(plan: StepPlan, device: torch.device) -> dict[str, torch.Tens
 
 
 def send_back(step_id: int, tokens: torch.Tensor, num_emitted: torch.Tensor, execute_s: float,
-              logprobs: tuple[torch.Tensor, ...] | None = None) -> StepOutput:
-    if tokens.device.type != "cuda":
-        logprobs = tuple(t.clone() for t in logprobs) if logprobs is not None else None
-        return StepOutput(step_id, tokens.clone(), num_emitted.clone(), None, execute_s, logprobs)
+              logprobs: tuple[torch.Tensor, ...] | None = None,
+              prompt_logprobs: tuple[torch.Tensor, ...] | None = None) -> StepOutput:
+    cuda = tokens.device.type == "cuda"
 
     def to_host(t: torch.Tensor) -> torch.Tensor:
+        if not cuda:
+            return t.clone()
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         return host.copy_(t, non_blocking=True)
-    logprobs = tuple(map(to_host, logprobs)) if logprobs is not None else None
+    logprobs, prompt_logprobs = (tuple(map(to_host, x)) if x is not None else None for x in (logprobs, prompt_logprobs))
     tokens_host, emitted_host = to_host(tokens), to_host(num_emitted)
-    # blocking: the sender thread sleeps until the copy is done. A spinning wait (the default)
-    # slows every kernel launch of the next step in the main thread by 3-4x (measured on the H200).
-    event = torch.cuda.Event(enable_timing=True, blocking=True)
-    event.record()
-    return StepOutput(step_id, tokens_host, emitted_host, event, execute_s, logprobs)
+    event = None
+    if cuda:
+        # blocking: the sender thread sleeps until the copy is done. A spinning wait (the default)
+        # slows every kernel launch of the next step in the main thread by 3-4x (measured on the H200).
+        event = torch.cuda.Event(enable_timing=True, blocking=True)
+        event.record()
+    return StepOutput(step_id, tokens_host, emitted_host, event, execute_s, logprobs, prompt_logprobs)
