@@ -54,19 +54,22 @@ def test_graphs_equal_eager_and_spec_equals_plain():
 
 
 def test_logprobs_take_the_eager_path_unchanged():
-    """A request with logprobs makes its steps run eager (the graphs return no logits): the tokens
-    stay those of the graphs, and each is its own top token with the same log-probability."""
+    """A request with logprobs (of its output and its prompt) or penalties makes its steps run eager
+    (the graphs return no logits), without host synchronisation: the other requests' tokens stay those
+    of the graphs, and each token is its own top token with the same log-probability."""
     plain = _generate(DRAFTER, graphs=True)
     engine = LLMEngine(EngineConfig(model=MODEL, drafter=DRAFTER, num_draft_tokens=3, max_batch_size=8,
                                     max_model_len=512, device="cuda", dtype="float32"))
     engine.executor.check_host_sync = True
     prompts = [encode_prompt(engine.tokenizer, q) for q in QUESTIONS]
-    requests = [engine.add_request(p, SamplingParams(max_tokens=48, logprobs=2 if i % 2 else None))
+    requests = [engine.add_request(p, SamplingParams(max_tokens=48, logprobs=2 if i % 2 else None,
+                                                     prompt_logprobs=2 if i % 2 else None))
                 for i, p in enumerate(prompts)]
+    engine.add_request(prompts[0], SamplingParams(max_tokens=48, frequency_penalty=1.0, presence_penalty=0.5))
     logprobs = {r.request_id: [] for r in requests}
     while engine.has_work:
         for out in engine.step():
-            logprobs[out.request_id] += out.logprobs or []
+            logprobs.setdefault(out.request_id, []).extend(out.logprobs or [])
     assert [r.output_ids for r in requests] == plain
     for i, r in enumerate(requests):
         got = logprobs[r.request_id]
