@@ -51,7 +51,9 @@ class LLMEngine:
         self.request_ids = itertools.count()
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
-        return self.scheduler.add(request_id or f"req-{next(self.request_ids)}", prompt_ids, params)
+        if not request_id:  # an id of our own that no caller's request holds
+            request_id = next(i for i in (f"req-{n}" for n in self.request_ids) if not self.scheduler.in_use(i))
+        return self.scheduler.add(request_id, prompt_ids, params)
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)

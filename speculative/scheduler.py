@@ -113,12 +113,15 @@ class Scheduler:
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
         self.validate(request_id, prompt_ids, params)
-        if request_id in self.running or any(r.request_id == request_id for r in self.waiting):
+        if self.in_use(request_id):
             raise RequestError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else next(self.seeds)
         request = Request(request_id, list(prompt_ids), params, seed)
         self.waiting.append(request)
         return request
+
+    def in_use(self, request_id: str) -> bool:
+        return request_id in self.running or any(r.request_id == request_id for r in self.waiting)
 
     def abort(self, request_id: str) -> None:
         for r in self.waiting:

@@ -253,6 +253,13 @@ def test_bad_requests_are_rejected_and_harm_no_other(tiny_dir, tiny_drafter_dir)
     assert [r.output_ids for r in requests] == ref
 
 
+def test_auto_ids_pass_over_a_callers_ids(tiny_dir):
+    engine = tiny_engine(tiny_dir)
+    mine = engine.add_request([1, 2], GREEDY, "req-0")
+    auto = [engine.add_request([1, 2], GREEDY) for _ in range(2)]
+    assert [r.request_id for r in auto] == ["req-1", "req-2"] and mine.request_id == "req-0"
+
+
 @pytest.mark.parametrize("field, value", [("temperature", 5.0), ("temperature", -1.0), ("top_p", 0.0),
                                           ("top_k", -2), ("max_tokens", 0), ("seed", -1), ("stop", [""]),
                                           ("stop", ["a"] * 5), ("bogus", 1)])
