@@ -86,6 +86,7 @@ class _SamplingRequest(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Strict()]] | None = Field(None, max_length=64)
     user: str | None = None
 
     @model_validator(mode="before")
@@ -123,7 +124,7 @@ class _SamplingRequest(BaseModel):
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                               max_tokens=self.max_tokens or default_max_tokens, stop=self.stop or [],
-                              ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(),
+                              stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(),
                               prompt_logprobs=self.num_prompt_logprobs(),
                               frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty)
 
@@ -169,6 +170,27 @@ class CompletionRequest(_SamplingRequest):
         return v
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a completion prompt, encoded as /v1/completions does, or chat messages,
+    encoded as /v1/chat/completions does (the template and the assistant's turn)."""
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    tokens: list[Annotated[int, Strict()]]
+
+
 KNOWN_FIELDS = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
 IGNORED_FIELDS = {"logit_bias", "response_format", "tools", "tool_choice", "parallel_tool_calls", "metadata",
                   "store", "service_tier", "suffix", "best_of", "prediction", "modalities",
@@ -186,8 +208,8 @@ def refuse_unknown(req: _SamplingRequest) -> None:
 
 def request_schemas() -> dict:
     """The request bodies' JSON schemas (and the models they use), as OpenAPI components."""
-    _, top = models_json_schema([(m, "validation") for m in (ChatCompletionRequest, CompletionRequest)],
-                                ref_template="#/components/schemas/{model}")
+    models = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
+    _, top = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
     return top["$defs"]
 
 

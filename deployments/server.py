@@ -18,8 +18,9 @@ from ray import serve
 from deployments.config import ServeConfig
 from deployments.llm_server import LLMServer, llm_server_options
 from deployments.metrics import ingress_metrics
-from deployments.protocol import (APIError, ChatCompletionRequest, CompletionRequest, completion_id, json_body, now,
-                                  parse_json_object, refuse_unknown, request_schemas, usage)
+from deployments.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                  TokenizeRequest, completion_id, json_body, now, parse_json_object, refuse_unknown,
+                                  request_schemas, usage)
 from speculative.config import SamplingParams
 from speculative.scheduler import RequestOutput
 
@@ -150,11 +151,12 @@ class OpenAIIngress:
             param = ".".join(str(p) for p in err["loc"]) or None
             raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param,
                            code="invalid_value") from None
-        refuse_unknown(req)
+        if isinstance(req, (ChatCompletionRequest, CompletionRequest)):
+            refuse_unknown(req)
         if req.model != self.cfg.model_name:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.cfg.model_name!r}",
                            param="model", code="model_not_found")
-        if req.n > (capacity := self.cfg.engine.max_batch_size + self.cfg.max_waiting_requests):
+        if getattr(req, "n", 1) > (capacity := self.cfg.engine.max_batch_size + self.cfg.max_waiting_requests):
             raise APIError(400, f"n is {req.n}; a replica of this server takes at most {capacity} requests at once",
                            param="n", code="invalid_value")
         return req
@@ -304,12 +306,15 @@ class OpenAIIngress:
                 yield f"data: {json.dumps(_as_api_error(e).body())}\n\n"
         return StreamingResponse(sse(), media_type="text/event-stream")
 
+    def _chat_ids(self, messages) -> list[int]:
+        from speculative.engine import encode_prompt
+        return encode_prompt(self.tokenizer, [{"role": m.role if m.role != "developer" else "system",
+                                               "content": m.text()} for m in messages])
+
     @api.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
     async def chat(self, request: Request):
         req = await self._parse(request, ChatCompletionRequest)
-        from speculative.engine import encode_prompt
-        prompt_ids = encode_prompt(self.tokenizer, [{"role": m.role if m.role != "developer" else "system",
-                                                     "content": m.text()} for m in req.messages])
+        prompt_ids = self._chat_ids(req.messages)
         params = self._sampling(req, prompt_ids, req.max_completion_tokens or req.max_tokens, "messages")
         cid, created = completion_id("chatcmpl"), now()
         sent_role = set()  # choices whose first chunk went out
@@ -398,6 +403,21 @@ class OpenAIIngress:
         return {"tokens": tokens, "token_logprobs": [entry and entry[0] for _, entry in logprobs],
                 "text_offset": text_offset,  # echo: the prompt's first token has no log-probabilities
                 "top_logprobs": [entry and {self.tokenizer.decode([i]): v for i, v in entry[1]} for _, entry in logprobs]}
+
+    @api.post("/tokenize", openapi_extra=json_body(TokenizeRequest))
+    async def tokenize(self, request: Request):
+        req = await self._parse(request, TokenizeRequest)
+        ids = self._chat_ids(req.messages) if req.messages is not None else \
+            self.tokenizer.encode(req.prompt, add_special_tokens=False)
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+
+    @api.post("/detokenize", openapi_extra=json_body(DetokenizeRequest))
+    async def detokenize(self, request: Request):
+        req = await self._parse(request, DetokenizeRequest)
+        if any(not 0 <= t < len(self.tokenizer) for t in req.tokens):
+            raise APIError(400, f"token ids must lie in 0..{len(self.tokenizer) - 1}", param="tokens",
+                           code="invalid_value")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
 
     def _model_card(self) -> dict:
         return {"id": self.cfg.model_name, "object": "model", "created": now(), "owned_by": "eagleserve"}

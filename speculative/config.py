@@ -16,6 +16,7 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)
     max_tokens: int = Field(256, ge=1)
     stop: list[str] = Field(default_factory=list, max_length=4)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)  # end like EOS (vLLM's extension)
     ignore_eos: bool = False
     # OpenAI's: logits -= frequency_penalty * count + presence_penalty * (count > 0), over the output so far
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)

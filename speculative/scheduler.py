@@ -231,7 +231,7 @@ class Scheduler:
         for token in tokens:
             if len(r.output_ids) >= r.params.max_tokens:
                 break
-            if token in self.eos_token_ids and not r.params.ignore_eos:
+            if token in self.eos_token_ids and not r.params.ignore_eos or token in r.params.stop_token_ids:
                 self._finish(r, "stop")
                 break
             r.output_ids.append(token)

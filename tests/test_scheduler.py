@@ -123,6 +123,12 @@ def test_eos(tmp_path, tiny_dir, tiny_drafter_dir, overlap):
         assert r.output_ids == full[:j] and r.finish_reason == "stop"
         r = run_to_completion(engine, [prompt], SamplingParams(max_tokens=30, ignore_eos=True))[0]
         assert r.output_ids == full and r.finish_reason == "length"
+    # stop_token_ids: the same end for that token, per request and whatever ignore_eos says
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, overlap=overlap)
+    stopped, other = run_to_completion(engine, [prompt, prompt], [
+        SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[full[j]]),
+        SamplingParams(max_tokens=30, ignore_eos=True)])
+    assert stopped.output_ids == full[:j] and stopped.finish_reason == "stop" and other.output_ids == full
 
 
 # ---- stop strings (a tiny target with the SmolLM2 vocabulary and tokenizer) ----

@@ -165,6 +165,25 @@ def test_echo_returns_the_prompt_and_its_logprobs(client):
     assert bare.choices[0].text == c.text and bare.choices[0].logprobs is None
 
 
+def test_tokenize_detokenize_and_stop_token_ids(base_url, client, alone):
+    """vLLM's /tokenize and /detokenize (the ids the completion endpoints encode), and its
+    stop_token_ids extension: the answer ends before the first such token."""
+    def post(path, body):
+        r = _post(base_url, path, json.dumps({"model": MODEL} | body))
+        assert r.status_code == 200, r.text
+        return r.json()
+    question = QUESTIONS[6]
+    ids = post("/tokenize", {"messages": [{"role": "user", "content": question}]})
+    assert ids["count"] == chat(client, question, max_tokens=1).usage.prompt_tokens == len(ids["tokens"])
+    assert post("/detokenize", {"tokens": post("/tokenize", {"prompt": "Hello there"})["tokens"]}) == \
+        {"prompt": "Hello there"}
+    first = post("/tokenize", {"prompt": alone[question]})["tokens"][0]  # the answer's first token
+    r = chat(client, question, extra_body={"stop_token_ids": [first]})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == "" and r.usage.completion_tokens == 0
+    assert _post(base_url, "/detokenize", json.dumps({"model": MODEL, "tokens": [10**9]})).status_code == 400
+    assert _post(base_url, "/tokenize", json.dumps({"model": MODEL})).status_code == 400
+
+
 def test_penalties_reach_the_engine(client, alone):
     """A frequency penalty changes a greedy answer that repeats tokens (exactness: test_lossless)."""
     question = "Count to five."
