@@ -10,7 +10,7 @@ from ray import serve
 from deployments.config import ServeConfig
 from deployments.protocol import APIError
 from speculative.config import SamplingParams
-from speculative.scheduler import RequestError
+from speculative.scheduler import RequestError, RequestOutput
 
 log = logging.getLogger("eagleserve.server")
 
@@ -42,6 +42,9 @@ class LLMServer:
         self.num_requests += 1
         log.info("request %s: %d prompt tokens", request_id, len(prompt_ids))
         try:
+            # admitted (queued or running): an empty delta, so that the caller need not wait for the
+            # first token to know (the choices of an n > 1 request wait for each other's admission)
+            yield RequestOutput(request_id, [], "", None)
             while (item := await sink.get()) is not None:
                 if isinstance(item, Exception):
                     raise APIError(503, f"generation failed: {item}", "server_error")

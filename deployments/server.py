@@ -17,6 +17,7 @@ from ray import serve
 
 from deployments.config import ServeConfig
 from deployments.llm_server import LLMServer, llm_server_options
+from deployments.logprobs import LogprobFormatter, TextOffsets
 from deployments.metrics import ingress_metrics
 from deployments.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                   TokenizeRequest, completion_id, json_body, now, parse_json_object, refuse_unknown,
@@ -117,6 +118,7 @@ class OpenAIIngress:
         self.stats_handle = server
         model_dir = resolve_model(cfg.engine.model)
         self.tokenizer = load_tokenizer(model_dir)
+        self.logprobs = LogprobFormatter(self.tokenizer)
         self.max_model_len = LlamaConfig.from_hf(load_config(model_dir)).max_len(cfg.engine.max_model_len)
         self.metrics = ingress_metrics()
 
@@ -184,8 +186,9 @@ class OpenAIIngress:
             if left <= 0:
                 yield RequestOutput(rid, [], "", "length")
                 return
-            # a resumed request's prompt holds sent tokens: its prompt log-probabilities went out already
-            resumed = {"max_tokens": left} | ({"prompt_logprobs": None} if attempt else {})
+            # a resumed request's prompt holds the sent tokens: they count for penalties, and its
+            # prompt log-probabilities went out already
+            resumed = {"max_tokens": left} | ({"prompt_logprobs": None, "prior_output_tokens": len(sent)} if attempt else {})
             current[0] = self.server.generate.remote(f"{rid}.{attempt}" if attempt else rid, prompt_ids + sent,
                                                      params.model_copy(update=resumed))
             try:
@@ -231,7 +234,8 @@ class OpenAIIngress:
                 return await output.__anext__()
             except StopAsyncIteration:
                 return None
-        # errors before the first output (overload, bad input, no replica) become the HTTP status
+        # errors before admission (overload, bad input, no replica) become the HTTP status; the
+        # replica's first output says the request was admitted
         firsts = await asyncio.gather(*(first(o) for o in outputs), return_exceptions=True)
         if errors := [e for e in firsts if isinstance(e, BaseException)]:
             cancel_all()
@@ -330,13 +334,13 @@ class OpenAIIngress:
                 delta["role"] = "assistant"
                 sent_role.add(index)
             body["choices"] = [{"index": index, "delta": delta, "finish_reason": finish,
-                                "logprobs": self._chat_logprobs(logprobs)}]
+                                "logprobs": self.logprobs.chat(logprobs)}]
             return body
 
         def full(choices, usage_):
             return {"id": cid, "object": "chat.completion", "created": created, "model": self.cfg.model_name,
                     "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                                 "logprobs": self._chat_logprobs(logprobs)}
+                                 "logprobs": self.logprobs.chat(logprobs)}
                                 for i, (text, finish, logprobs) in enumerate(choices)],
                     "usage": usage_}
         include = bool(req.stream_options and req.stream_options.include_usage)
@@ -356,7 +360,7 @@ class OpenAIIngress:
             raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
         params = self._sampling(req, prompt_ids, req.max_tokens, "prompt")
         cid, created = completion_id("cmpl"), now()
-        offsets = [0] * req.n  # text_offset: where each choice's next token starts
+        offsets = [TextOffsets() for _ in range(req.n)]
         echo = set() if req.echo else set(range(req.n))  # choices whose text has its prompt already
         prompt_text = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(prompt_ids)
 
@@ -369,7 +373,7 @@ class OpenAIIngress:
         def chunk(index, text, finish, logprobs, usage_=None):
             body = {"id": cid, "object": "text_completion", "created": created, "model": self.cfg.model_name,
                     "choices": [] if usage_ else [{"index": index, "text": text_of(index, text), "finish_reason": finish,
-                                                   "logprobs": self._completion_logprobs(logprobs, offsets, index)}]}
+                                                   "logprobs": self.logprobs.completion(logprobs, offsets[index])}]}
             if usage_:
                 body["usage"] = usage_
             return body
@@ -377,32 +381,10 @@ class OpenAIIngress:
         def full(choices, usage_):
             return {"id": cid, "object": "text_completion", "created": created, "model": self.cfg.model_name,
                     "choices": [{"index": i, "text": text_of(i, text), "finish_reason": finish,
-                                 "logprobs": self._completion_logprobs(logprobs, offsets, i)}
+                                 "logprobs": self.logprobs.completion(logprobs, offsets[i])}
                                 for i, (text, finish, logprobs) in enumerate(choices)], "usage": usage_}
         include = bool(req.stream_options and req.stream_options.include_usage)
         return await self._run(request, prompt_ids, params, req.n, req.stream, chunk, full, include)
-
-    def _chat_logprobs(self, logprobs: list | None) -> dict | None:
-        if logprobs is None:
-            return None
-
-        def entry(token_id, logprob):
-            text = self.tokenizer.decode([token_id])
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-        return {"content": [entry(t, lp) | {"top_logprobs": [entry(i, v) for i, v in top]}
-                            for t, (lp, top) in logprobs]}
-
-    def _completion_logprobs(self, logprobs: list | None, offsets: list[int], index: int) -> dict | None:
-        if logprobs is None:
-            return None
-        tokens = [self.tokenizer.decode([t]) for t, _ in logprobs]
-        text_offset = []
-        for text in tokens:
-            text_offset.append(offsets[index])
-            offsets[index] += len(text)
-        return {"tokens": tokens, "token_logprobs": [entry and entry[0] for _, entry in logprobs],
-                "text_offset": text_offset,  # echo: the prompt's first token has no log-probabilities
-                "top_logprobs": [entry and {self.tokenizer.decode([i]): v for i, v in entry[1]} for _, entry in logprobs]}
 
     @api.post("/tokenize", openapi_extra=json_body(TokenizeRequest))
     async def tokenize(self, request: Request):

@@ -21,6 +21,7 @@ class SamplingParams(BaseModel):
     # OpenAI's: logits -= frequency_penalty * count + presence_penalty * (count > 0), over the output so far
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    prior_output_tokens: int = Field(0, ge=0)  # the prompt ends with this request's earlier output (resumed)
     logprobs: int | None = Field(None, ge=0, le=20)  # None: off; else the chosen token's + this many top ones
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # the same for the prompt's tokens (after the first)
 

@@ -16,6 +16,7 @@ class PrefillRow:
     top_k: int
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    prior_output_tokens: int = 0  # the prompt's last tokens that count as output (penalties)
 
 
 @dataclass

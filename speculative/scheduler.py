@@ -105,6 +105,8 @@ class Scheduler:
         if self.vocab_size is not None and not all(0 <= t < self.vocab_size for t in prompt_ids):
             bad = next(t for t in prompt_ids if not 0 <= t < self.vocab_size)
             raise RequestError(f"prompt token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if params.prior_output_tokens > len(prompt_ids):
+            raise RequestError("prior_output_tokens exceeds the prompt")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer and this model directory has none")
         if len(prompt_ids) > self.max_num_batched_tokens:
@@ -177,7 +179,8 @@ class Scheduler:
         plan = StepPlan(
             step_id=step_id,
             prefills=[PrefillRow(r.slot, r.prompt_ids, r.seed, r.params.temperature, r.params.top_p, r.params.top_k,
-                                 r.params.frequency_penalty, r.params.presence_penalty) for r in prefills],
+                                 r.params.frequency_penalty, r.params.presence_penalty, r.params.prior_output_tokens)
+                      for r in prefills],
             decode_slots=[r.slot for r in decodes],
             free_slots=self.slots_to_release,
             kv_len=-(-span // 64) * 64,

@@ -171,6 +171,10 @@ def test_penalties_greedy_equal_the_reference(tiny_dir, tiny_drafter_dir, prompt
     assert refs[0] != unpenalised[0]  # the penalty is felt
     plain = tiny_engine(tiny_dir, max_batch_size=4)
     assert [r.output_ids for r in run_to_completion(plain, prompts, params, JOINS)] == refs
+    # resumed elsewhere after 10 tokens (prompt + those tokens): they still count
+    resumed = [p.model_copy(update={"max_tokens": 14, "prior_output_tokens": 10}) for p in params]
+    assert [r.output_ids for r in run_to_completion(plain, [p + ref[:10] for p, ref in zip(prompts, refs)], resumed)] \
+        == [ref[10:] for ref in refs]
     engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, max_batch_size=4, overlap=False)
     requests = run_with_oracle(engine, prompts, refs, JOINS, corrupt_p=0.2, params=params)
     assert [r.output_ids for r in requests] == refs

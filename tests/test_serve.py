@@ -143,6 +143,26 @@ def test_logprobs(client, alone):
     assert all(len(top) == 3 and max(top.values()) == pytest.approx(v) for top, v in zip(lp.top_logprobs, lp.token_logprobs))
 
 
+def test_logprob_tokens_keep_their_bytes():
+    """Tokens holding part of a UTF-8 character: their bytes rebuild the text, their strings are
+    vLLM's bytes:\\xNN form, and text offsets point into the text; special tokens take no room."""
+    from deployments.logprobs import LogprobFormatter, TextOffsets
+    from workers.loader import load_tokenizer, resolve_model
+    tokenizer = load_tokenizer(resolve_model(MODEL))
+    text = " 明白 🎉\nhéllo"
+    ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    f = LogprobFormatter(tokenizer)
+    entries = [(t, (-1.0, [(t, -1.0)])) for t in ids]
+    content = f.chat(entries)["content"]
+    assert b"".join(bytes(e["bytes"]) for e in content[:-1]).decode() == text
+    assert any(e["token"].startswith("bytes:\\x") for e in content)  # a split character
+    body = f.completion(entries, TextOffsets())
+    data = [bytes(e["bytes"]) for e in content]
+    # a token starts after the whole characters of the tokens before it; EOS, after the text
+    assert body["text_offset"] == [len(b"".join(data[:i]).decode(errors="ignore")) for i in range(len(ids))]
+    assert body["text_offset"][-1] == len(text) and body["tokens"] == [e["token"] for e in content]
+
+
 def test_echo_returns_the_prompt_and_its_logprobs(client):
     """echo (as lm-eval's loglikelihood requests use it): the prompt before the completion, its tokens'
     log-probabilities (the first has none) before the completion's, streamed alike."""

@@ -191,9 +191,12 @@ class ModelRunner:
         tokens = torch.zeros(B, self.K + 1, dtype=torch.long, device=self.device)
         tokens[:, 0] = out[0]
         emitted = torch.ones(B, dtype=torch.long, device=self.device)
-        if plan.use_penalties:  # a new output: the first token is drawn unpenalised, then counted
+        if plan.use_penalties:  # the output so far: the prompt's earlier output (a resumed request), the first token
             self.output_counts.index_fill_(0, slots, 0)
-            self._count_outputs(slots, tokens, emitted)
+            positions = torch.arange(T, device=self.device)
+            prior = positions >= (lens - inp["prefill_prior_output_tokens"]).unsqueeze(1)
+            self._count_outputs(slots, ids, prior & (positions < lens.unsqueeze(1)))
+            self._count_outputs(slots, tokens[:, :1], emitted.unsqueeze(1).bool())
         return tokens, emitted, seed
 
     def _prefill_forward(self, slots: torch.Tensor, lens: torch.Tensor, ids: torch.Tensor, kv_len: int,
@@ -322,15 +325,14 @@ class ModelRunner:
         if plan is not None and plan.num_logprobs is not None:  # the model's own, before penalties
             self.logprob_parts.append(token_logprobs(raw_logits, tokens, plan.num_logprobs))
         if plan is not None and plan.use_penalties:
-            self._count_outputs(slots, tokens, emitted)
+            self._count_outputs(slots, tokens, torch.arange(K + 1, device=self.device) < emitted.unsqueeze(1))
         self.last_token.index_copy_(0, slots, tokens[rows, emitted - 1])
         self.num_computed.index_copy_(0, slots, base + emitted)
         self._record(slots, positions + 1, tokens)  # past the emitted ones: overwritten before being read
         return tokens, emitted, base
 
-    def _count_outputs(self, slots: torch.Tensor, tokens: torch.Tensor, emitted: torch.Tensor) -> None:
-        """Penalties: add each row's first `emitted` [B] of tokens [B, K+1] to its slot's output counts."""
-        valid = torch.arange(tokens.shape[1], device=self.device) < emitted.unsqueeze(1)
+    def _count_outputs(self, slots: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor) -> None:
+        """Penalties: add tokens [B, T] where valid [B, T] to their slots' output counts."""
         rows = slots.unsqueeze(1).expand_as(tokens)
         self.output_counts.index_put_((rows, tokens), valid.to(self.output_counts.dtype), accumulate=True)
 

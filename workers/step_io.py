@@ -51,6 +51,7 @@ def prepare_inputs(plan: StepPlan, device: torch.device) -> dict[str, torch.Tens
         host["prefill_top_k"] = torch.tensor([p.top_k for p in plan.prefills])
         host["prefill_frequency_penalty"] = torch.tensor([p.frequency_penalty for p in plan.prefills])
         host["prefill_presence_penalty"] = torch.tensor([p.presence_penalty for p in plan.prefills])
+        host["prefill_prior_output_tokens"] = torch.tensor([p.prior_output_tokens for p in plan.prefills])
     pin = device.type == "cuda"
     return {k: (v.pin_memory() if pin else v).to(device, non_blocking=True) for k, v in host.items()}
 
