@@ -194,7 +194,8 @@ def cmd_bench(args) -> None:
     try:
         runs = bench.bench(args.model, args.drafter, ks, modes, on[args.cuda_graphs], on[args.overlap], batches, prompts,
                            args.output_len, args.ignore_eos, args.device, args.max_model_len, args.num_prompts,
-                           graph_first_draft=args.graph_first_draft, prompt_lookup=args.prompt_lookup)
+                           graph_first_draft=args.graph_first_draft, prompt_lookup=args.prompt_lookup,
+                           logprobs=args.logprobs)
     finally:
         ray.shutdown()
     bench.print_table(runs)
@@ -297,6 +298,8 @@ def main(argv=None) -> None:
                    help="capture each greedy decode step whole: verify + all draft forwards (default: first draft eager)")
     b.add_argument("--prompt-lookup", type=float, default=0.0, metavar="P", help="EAGLE-3 runs with prompt lookup "
                    "below drafter probability P (0: off)")
+    b.add_argument("--logprobs", type=int, default=None, metavar="N", help="every request asks for its tokens' "
+                   "log-probabilities and N top ones (what that costs: such steps run eager)")
     b.add_argument("--output-len", type=int, default=256)
     b.add_argument("--ignore-eos", action="store_true")
     b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

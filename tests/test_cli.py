@@ -83,7 +83,7 @@ def test_bench_writes_table_and_json(tmp_path):
     out = tmp_path / "bench.json"
     proc = eagleserve("bench", "--device", "cpu", "--dataset", DATA / "gsm8k" / "test.jsonl", "--batch", "1,2",
                       "-k", 2, "--overlap", "both", "--num-prompts", 2, "--output-len", 8, "--max-model-len", 512,
-                      "-o", out)
+                      "--logprobs", 1, "-o", out)
     assert proc.returncode == 0, proc.stderr[-2000:]
     runs = json.loads(out.read_text())["runs"]
     assert sorted((r["mode"], r["overlap"], r["batch"]) for r in runs) == [
@@ -91,6 +91,7 @@ def test_bench_writes_table_and_json(tmp_path):
         ("plain", True, 1), ("plain", True, 2)]
     for r in runs:
         assert r["output_tokens"] > 0 and r["output_tokens_per_s"] > 0 and r["nvml_busy_fraction"] is None
+        assert r["logprobs"] == 1
         assert (r["mean_acceptance_length"] > 1) == (r["mode"] == "eagle")
     assert "tok/s" in proc.stdout and out.with_suffix(".png").is_file()
 
