@@ -19,16 +19,19 @@ def _byte_decoder() -> dict[str, int]:
 
 class TextOffsets:
     """Where each token's text starts in a choice's text (in characters), from the bytes so far: a
-    character split over tokens starts at the token that completes it. Special tokens, which the text
-    leaves out, take no room."""
+    character split over tokens starts at the token that completes it. Special tokens, which the
+    completion's text leaves out, take no room; the first `verbatim` tokens (an echoed prompt, in the
+    text as it was given) do."""
 
-    def __init__(self):
+    def __init__(self, verbatim: int = 0):
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self.length = 0
+        self.length, self.verbatim = 0, verbatim
 
-    def add(self, data: bytes) -> int:
+    def add(self, data: bytes, special: bool) -> int:
         start = self.length
-        self.length += len(self.decoder.decode(data))
+        if not special or self.verbatim > 0:
+            self.length += len(self.decoder.decode(data))
+        self.verbatim -= 1
         return start
 
 
@@ -36,7 +39,9 @@ class LogprobFormatter:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.byte_of = _byte_decoder()
-        self.special = set(tokenizer.all_special_ids)
+        # what decoding with skip_special_tokens leaves out (all_special_ids may hold only some of it)
+        self.special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items()
+                                                          if t.special}
 
     def token_bytes(self, token_id: int) -> bytes:
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
@@ -65,5 +70,5 @@ class LogprobFormatter:
             return None
         return {"tokens": [self.token_text(t) for t, _ in logprobs],
                 "token_logprobs": [entry and entry[0] for _, entry in logprobs],
-                "text_offset": [offsets.add(b"" if t in self.special else self.token_bytes(t)) for t, _ in logprobs],
+                "text_offset": [offsets.add(self.token_bytes(t), t in self.special) for t, _ in logprobs],
                 "top_logprobs": [entry and {self.token_text(i): v for i, v in entry[1]} for _, entry in logprobs]}

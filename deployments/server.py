@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
+from ray.serve.exceptions import RequestCancelledError
 
 from deployments.config import ServeConfig
 from deployments.llm_server import LLMServer, llm_server_options
@@ -66,7 +67,10 @@ async def _request_id(request: Request, call_next):
 
 
 def _resumable(e: Exception) -> bool:
-    """The replica died, was unreachable or its engine failed (503): the request may go elsewhere."""
+    """The replica died, was unreachable or its engine failed (503): the request may go elsewhere.
+    Not when we cancelled it (the client went away): resuming would leave a request nobody reads."""
+    if isinstance(e, RequestCancelledError):
+        return False
     err = e if isinstance(e, APIError) else getattr(e, "cause", None)
     return err.status == 503 if isinstance(err, APIError) else True
 
@@ -119,6 +123,7 @@ class OpenAIIngress:
         model_dir = resolve_model(cfg.engine.model)
         self.tokenizer = load_tokenizer(model_dir)
         self.logprobs = LogprobFormatter(self.tokenizer)
+        self.capacity = None  # requests a replica takes at once, read from one on the first n > 1
         self.max_model_len = LlamaConfig.from_hf(load_config(model_dir)).max_len(cfg.engine.max_model_len)
         self.metrics = ingress_metrics()
 
@@ -158,9 +163,12 @@ class OpenAIIngress:
         if req.model != self.cfg.model_name:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.cfg.model_name!r}",
                            param="model", code="model_not_found")
-        if getattr(req, "n", 1) > (capacity := self.cfg.engine.max_batch_size + self.cfg.max_waiting_requests):
-            raise APIError(400, f"n is {req.n}; a replica of this server takes at most {capacity} requests at once",
-                           param="n", code="invalid_value")
+        if getattr(req, "n", 1) > 1:
+            if self.capacity is None:  # the slots a replica has (memory_budget_gb may allow fewer than max_batch_size)
+                self.capacity = (await self.stats_handle.stats.remote())["num_slots"] + self.cfg.max_waiting_requests
+            if req.n > self.capacity:
+                raise APIError(400, f"n is {req.n}; a replica of this server takes at most {self.capacity} requests "
+                               "at once", param="n", code="invalid_value")
         return req
 
     def _sampling(self, req, prompt_ids: list[int], max_tokens: int | None, prompt_param: str) -> SamplingParams:
@@ -180,21 +188,24 @@ class OpenAIIngress:
         client sees a slower stream, not an error, and greedy output is unchanged. A stop string
         that spans the resume point is not found. `current[0]` is the stream in progress (to cancel)."""
         sent: list[int] = []
-        shown, deadline, attempt = "", None, 0
+        shown, deadline, attempt, prompt_sent = "", None, 0, False
         while True:
             left = params.max_tokens - len(sent)
             if left <= 0:
                 yield RequestOutput(rid, [], "", "length")
                 return
-            # a resumed request's prompt holds the sent tokens: they count for penalties, and its
-            # prompt log-probabilities went out already
-            resumed = {"max_tokens": left} | ({"prompt_logprobs": None, "prior_output_tokens": len(sent)} if attempt else {})
+            # a resumed request's prompt holds the sent tokens, which count for penalties; prompt
+            # log-probabilities (echo) go out once
+            resumed = {"max_tokens": left, "prior_output_tokens": len(sent)}
+            if prompt_sent:
+                resumed["prompt_logprobs"] = None
             current[0] = self.server.generate.remote(f"{rid}.{attempt}" if attempt else rid, prompt_ids + sent,
                                                      params.model_copy(update=resumed))
             try:
                 async for item in current[0]:
                     sent += item.new_token_ids
                     shown += item.text_delta
+                    prompt_sent = prompt_sent or item.prompt_logprobs is not None
                     yield item
                 return
             except Exception as e:
@@ -360,7 +371,7 @@ class OpenAIIngress:
             raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
         params = self._sampling(req, prompt_ids, req.max_tokens, "prompt")
         cid, created = completion_id("cmpl"), now()
-        offsets = [TextOffsets() for _ in range(req.n)]
+        offsets = [TextOffsets(len(prompt_ids) if req.echo else 0) for _ in range(req.n)]
         echo = set() if req.echo else set(range(req.n))  # choices whose text has its prompt already
         prompt_text = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(prompt_ids)
 

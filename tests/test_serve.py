@@ -161,6 +161,15 @@ def test_logprob_tokens_keep_their_bytes():
     # a token starts after the whole characters of the tokens before it; EOS, after the text
     assert body["text_offset"] == [len(b"".join(data[:i]).decode(errors="ignore")) for i in range(len(ids))]
     assert body["text_offset"][-1] == len(text) and body["tokens"] == [e["token"] for e in content]
+    # every token the text leaves out takes no room (<file_sep> is special, though not in all_special_ids);
+    # in an echoed prompt, given as text, each takes its own
+    ids = tokenizer.encode("<file_sep>def f(): return 1", add_special_tokens=False)
+    shown = tokenizer.decode(ids, skip_special_tokens=True)
+    offsets = f.completion([(t, (-1.0, [])) for t in ids], TextOffsets())["text_offset"]
+    assert [shown[a:b] for a, b in zip(offsets, offsets[1:] + [len(shown)])] == \
+        [tokenizer.decode([t], skip_special_tokens=True) for t in ids]
+    offsets = f.completion([(t, (-1.0, [])) for t in ids], TextOffsets(verbatim=len(ids)))["text_offset"]
+    assert offsets[1] == len("<file_sep>")
 
 
 def test_echo_returns_the_prompt_and_its_logprobs(client):
@@ -302,16 +311,27 @@ def _engine_stats(base_url):
     return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
 
 
-def test_cancelled_stream_frees_its_slot(client, base_url):
-    stream = chat(client, "Write a very long story about a dragon.", max_tokens=400, stream=True)
+def _batch_empties_within(base_url, seconds: float) -> bool:
+    deadline = time.time() + seconds
+    while time.time() < deadline and _engine_stats(base_url)["eagleserve_batch_size"] > 0:
+        time.sleep(0.25)
+    return _engine_stats(base_url)["eagleserve_batch_size"] == 0
+
+
+def test_a_client_gone_frees_its_slot(client, base_url):
+    """A closed stream, or a client that stopped waiting, ends its request within seconds (460
+    tokens take ~20 s here): its cancellation is not mistaken for a failed replica to resume on."""
+    stream = chat(client, "Write a very long story about a dragon.", max_tokens=460, stream=True,
+                  extra_body={"ignore_eos": True})
     for i, _ in enumerate(stream):
         if i == 3:
             break
     stream.close()
-    deadline = time.time() + 30
-    while time.time() < deadline and _engine_stats(base_url)["eagleserve_batch_size"] > 0:
-        time.sleep(0.5)
-    assert _engine_stats(base_url)["eagleserve_batch_size"] == 0
+    assert _batch_empties_within(base_url, 5)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 460, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=2)
+    assert _batch_empties_within(base_url, 5)
 
 
 def test_overload_gets_429_not_a_hang(base_url):
