@@ -124,8 +124,8 @@ class _SamplingRequest(BaseModel):
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                               max_tokens=self.max_tokens or default_max_tokens, stop=self.stop or [],
-                              stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(),
-                              prompt_logprobs=self.num_prompt_logprobs(),
+                              stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
+                              logprobs=self.num_logprobs(), prompt_logprobs=self.num_prompt_logprobs(),
                               frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty)
 
 
