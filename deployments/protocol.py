@@ -68,6 +68,15 @@ _PROMPT = WithJsonSchema({"anyOf": [
     {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]})
 
 
+def _only_with(flag: str):
+    """A field validator: the field may be set only when `flag` (declared before it) is true."""
+    def check(cls, v, info):
+        if v is not None and not info.data.get(flag):
+            raise ValueError(f"{info.field_name} is only allowed when {flag} is true")
+        return v
+    return classmethod(check)
+
+
 class _SamplingRequest(BaseModel):
     """Fields shared by both endpoints. Options we do not implement are refused, never ignored
     (unknown fields too: `refuse_unknown`, hence no additionalProperties in the schema)."""
@@ -99,12 +108,7 @@ class _SamplingRequest(BaseModel):
             return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
         return data
 
-    @field_validator("stream_options")
-    @classmethod
-    def _stream_options_need_stream(cls, v, info):
-        if v is not None and not info.data.get("stream"):
-            raise ValueError("stream_options is only allowed when stream is true")
-        return v
+    _stream_options_need_stream = field_validator("stream_options")(_only_with("stream"))
 
     @field_validator("stop")
     @classmethod
@@ -135,12 +139,7 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_needs_logprobs(cls, v, info):
-        if v is not None and not info.data.get("logprobs"):
-            raise ValueError("top_logprobs is only allowed when logprobs is true")
-        return v
+    _top_needs_logprobs = field_validator("top_logprobs")(_only_with("logprobs"))
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

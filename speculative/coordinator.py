@@ -82,7 +82,8 @@ class Coordinator:
 
     def stats(self) -> dict:
         s = self.engine.scheduler.stats
-        return {"num_slots": self.engine.scheduler.num_slots, "num_running": self.engine.scheduler.num_running, "num_waiting": self.engine.scheduler.num_waiting,
+        return {"num_slots": self.engine.scheduler.num_slots, "num_running": self.engine.scheduler.num_running,
+                "num_waiting": self.engine.scheduler.num_waiting,
                 "num_steps": self.executor.timings.num_steps, "send_s": self.executor.timings.send_s,
                 "wait_s": self.wait_s, "busy_s": self.busy_s, "device_s": self.engine.device_s, "worker_execute_s": self.executor.timings.execute_s,
                 "num_rows": s.num_rows, "num_extra_rows": s.num_extra_rows, "num_verify_rows": s.num_verify_rows,
