@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, WithJsonSchema, field_validator, model_validator
 from pydantic.json_schema import models_json_schema
 
-from speculative.config import SamplingParams
+from speculative.config import MAX_LOGIT_BIAS, SamplingParams
 
 
 class APIError(Exception):
@@ -87,6 +87,7 @@ class _SamplingRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, le=2**31 - 1)  # any k over the vocabulary is no cut; over int64 it failed the step
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
     n: int = Field(1, ge=1, le=128)  # choices, each a request of its own (OpenAI's limit)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -96,6 +97,7 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Strict()]] | None = Field(None, max_length=64)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
 
     @model_validator(mode="before")
@@ -109,6 +111,13 @@ class _SamplingRequest(BaseModel):
         return data
 
     _stream_options_need_stream = field_validator("stream_options")(_only_with("stream"))
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, v):
+        if v and not all(k.isascii() and k.isdigit() for k in v):
+            raise ValueError("logit_bias keys must be token ids (non-negative integers)")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -126,11 +135,12 @@ class _SamplingRequest(BaseModel):
         return None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                              max_tokens=self.max_tokens or default_max_tokens, stop=self.stop or [],
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                              seed=self.seed, max_tokens=self.max_tokens or default_max_tokens, stop=self.stop or [],
                               stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
                               logprobs=self.num_logprobs(), prompt_logprobs=self.num_prompt_logprobs(),
-                              frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty)
+                              frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+                              logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()})
 
 
 class ChatCompletionRequest(_SamplingRequest):

@@ -185,18 +185,20 @@ class OpenAIIngress:
     async def _generate(self, rid: str, prompt_ids: list[int], params: SamplingParams, current: list):
         """The request's deltas. If its replica dies or its engine fails, the request is resubmitted
         (any healthy replica) as prompt + the tokens already sent, for the remaining max_tokens: the
-        client sees a slower stream, not an error, and greedy output is unchanged. A stop string
-        that spans the resume point is not found. `current[0]` is the stream in progress (to cancel)."""
+        client sees a slower stream, not an error, and greedy output is unchanged. The new engine's
+        text goes on from the sent tokens' (stop strings spanning the two are found), from what the
+        client has of it. `current[0]` is the stream in progress (to cancel)."""
         sent: list[int] = []
         shown, deadline, attempt, prompt_sent = "", None, 0, False
         while True:
             left = params.max_tokens - len(sent)
-            if left <= 0:
-                yield RequestOutput(rid, [], "", "length")
+            if left <= 0:  # no stop string is complete in what was sent; the failed engine held back the rest
+                text = self.tokenizer.decode(sent, skip_special_tokens=True)
+                yield RequestOutput(rid, [], text[len(shown):], "length")
                 return
-            # a resumed request's prompt holds the sent tokens, which count for penalties; prompt
-            # log-probabilities (echo) go out once
-            resumed = {"max_tokens": left, "prior_output_tokens": len(sent)}
+            # a resumed request's prompt holds the sent tokens, which count for penalties and its text;
+            # prompt log-probabilities (echo) go out once
+            resumed = {"max_tokens": left, "prior_output_tokens": len(sent), "prior_text_sent": len(shown)}
             if prompt_sent:
                 resumed["prompt_logprobs"] = None
             current[0] = self.server.generate.remote(f"{rid}.{attempt}" if attempt else rid, prompt_ids + sent,
@@ -213,12 +215,6 @@ class OpenAIIngress:
                 if not _resumable(e) or time.monotonic() >= deadline:
                     raise
                 log.warning("request %s: resuming after %d tokens (%s)", rid, len(sent), type(e).__name__)
-            # the failed engine may have held back text that could have begun a stop string, and the
-            # new request's text starts after these tokens: send it now
-            text = self.tokenizer.decode(sent, skip_special_tokens=True)
-            if text.startswith(shown) and len(text) > len(shown):
-                yield RequestOutput(rid, [], text[len(shown):], None)
-                shown = text
             attempt += 1
             # until Serve notices the failure it may route to the failed replica again
             await asyncio.sleep(min(0.25 * 2 ** attempt, 2.0))

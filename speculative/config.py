@@ -1,10 +1,11 @@
 """User-facing configuration (pydantic, extra fields forbidden). Never mutated at runtime."""
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 GREEDY_BELOW = 1e-5  # temperatures under it decode greedily, as in vLLM
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
 
 
 class SamplingParams(BaseModel):
@@ -13,6 +14,7 @@ class SamplingParams(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=2.0)  # 0 means greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, le=2**31 - 1)        # 0 or -1: off; any k over the vocabulary is no cut
+    min_p: float = Field(0.0, ge=0.0, le=1.0)         # 0: off
     seed: int | None = Field(None, ge=0, lt=2**63)
     max_tokens: int = Field(256, ge=1)
     stop: list[str] = Field(default_factory=list, max_length=4)
@@ -21,7 +23,11 @@ class SamplingParams(BaseModel):
     # OpenAI's: logits -= frequency_penalty * count + presence_penalty * (count > 0), over the output so far
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # OpenAI's: added to the logits of these token ids
+    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] = Field(default_factory=dict,
+                                                                                 max_length=MAX_LOGIT_BIAS)
     prior_output_tokens: int = Field(0, ge=0)  # the prompt ends with this request's earlier output (resumed)
+    prior_text_sent: int = Field(0, ge=0)  # characters of that output's text the client already has
     logprobs: int | None = Field(None, ge=0, le=20)  # None: off; else the chosen token's + this many top ones
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # the same for the prompt's tokens (after the first)
 

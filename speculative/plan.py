@@ -14,9 +14,11 @@ class PrefillRow:
     temperature: float
     top_p: float
     top_k: int
+    min_p: float = 0.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     prior_output_tokens: int = 0  # the prompt's last tokens that count as output (penalties)
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -27,15 +29,17 @@ class StepPlan:
     free_slots: list[int] = field(default_factory=list)     # released before this step runs
     kv_len: int = 0                                         # cache rows any row may read
     all_greedy: bool = True
-    use_top_k_top_p: bool = False
+    use_truncation: bool = False     # some row has top-k, top-p or min-p
     num_logprobs: int | None = None  # some row wants log-probabilities, with this many top tokens at most
     use_penalties: bool = False      # some row has a frequency or presence penalty
+    use_logit_bias: bool = False     # some row has a logit_bias
     num_prompt_logprobs: int | None = None  # some prefill wants its prompt's log-probabilities
 
     @property
     def graphable(self) -> bool:
-        """Greedy, without log-probabilities or penalties: the CUDA graphs' form (the eager path does the rest)."""
-        return self.all_greedy and self.num_logprobs is None and not self.use_penalties \
+        """Greedy, without log-probabilities, penalties or biases: the CUDA graphs' form (the eager path
+        does the rest)."""
+        return self.all_greedy and self.num_logprobs is None and not self.use_penalties and not self.use_logit_bias \
             and self.num_prompt_logprobs is None
 
     @property

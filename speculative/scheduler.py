@@ -30,7 +30,8 @@ class Request:
     num_verify_emitted: int = 0          # 1 + accepted drafts, summed over those forwards
     in_flight: int = 0                   # planned steps whose results are not processed yet
     last_step: int = -1                  # last step id that includes this request
-    text: str = ""                       # decoded output so far (stop strings are searched in it)
+    text: str = ""                       # decoded output so far, a resumed one's earlier output first (stop
+                                         # strings are searched in it)
     num_sent: int = 0                    # characters of text already returned as deltas
     prefix_offset: int = 0               # output_ids[prefix_offset:read_offset] is the context for
     read_offset: int = 0                 # decoding the tokens from read_offset on (incremental detokenizing)
@@ -102,9 +103,10 @@ class Scheduler:
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                f"the maximum sequence length of {self.max_model_len} tokens")
-        if self.vocab_size is not None and not all(0 <= t < self.vocab_size for t in prompt_ids):
-            bad = next(t for t in prompt_ids if not 0 <= t < self.vocab_size)
-            raise RequestError(f"prompt token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+        for what, ids in (("prompt", prompt_ids), ("logit_bias", params.logit_bias)):
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None) if self.vocab_size is not None else None
+            if bad is not None:
+                raise RequestError(f"{what} token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
         if params.prior_output_tokens > len(prompt_ids):
             raise RequestError("prior_output_tokens exceeds the prompt")
         if params.stop and self.tokenizer is None:
@@ -119,6 +121,12 @@ class Scheduler:
             raise RequestError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else next(self.seeds)
         request = Request(request_id, list(prompt_ids), params, seed)
+        if params.prior_output_tokens and self.tokenizer is not None:
+            # a resumed request's text goes on from its earlier output's: a stop string may span the
+            # two, and what the failed engine held back (a possible stop string's start) is sent from here
+            request.text = self.tokenizer.decode(self._text_ids(request), skip_special_tokens=True)
+            request.num_sent = min(params.prior_text_sent, len(request.text))
+            request.read_offset = params.prior_output_tokens
         self.waiting.append(request)
         return request
 
@@ -179,15 +187,17 @@ class Scheduler:
         plan = StepPlan(
             step_id=step_id,
             prefills=[PrefillRow(r.slot, r.prompt_ids, r.seed, r.params.temperature, r.params.top_p, r.params.top_k,
-                                 r.params.frequency_penalty, r.params.presence_penalty, r.params.prior_output_tokens)
+                                 r.params.min_p, r.params.frequency_penalty, r.params.presence_penalty,
+                                 r.params.prior_output_tokens, r.params.logit_bias)
                       for r in prefills],
             decode_slots=[r.slot for r in decodes],
             free_slots=self.slots_to_release,
             kv_len=-(-span // 64) * 64,
             all_greedy=all(r.params.is_greedy for r in rows),
-            use_top_k_top_p=any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows),
+            use_truncation=any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0 for r in rows),
             num_logprobs=max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None),
             use_penalties=any(r.params.frequency_penalty or r.params.presence_penalty for r in rows),
+            use_logit_bias=any(r.params.logit_bias for r in rows),
             num_prompt_logprobs=max((r.params.prompt_logprobs for r in prefills if r.params.prompt_logprobs is not None),
                                     default=None))
         self.slots_to_release = []
@@ -250,8 +260,14 @@ class Scheduler:
         return RequestOutput(r.request_id, new, delta, r.finish_reason, r.acceptance_length,
                              logprobs[:len(new)] if logprobs is not None else None)
 
+    @staticmethod
+    def _text_ids(r: Request) -> list[int]:
+        """The tokens of the request's text: its output, after the earlier output of a resumed request."""
+        prior = r.params.prior_output_tokens
+        return r.prompt_ids[len(r.prompt_ids) - prior:] + r.output_ids if prior else r.output_ids
+
     def _decode(self, r: Request) -> str:
-        return self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        return self.tokenizer.decode(self._text_ids(r), skip_special_tokens=True)
 
     @staticmethod
     def _find_stop(r: Request, text: str) -> int | None:
@@ -262,7 +278,7 @@ class Scheduler:
     def _detokenize(self, r: Request) -> str:
         """The text the new tokens add, decoding only a few tokens of context before them (a whole
         re-decode each step costs ~27 us per 128 tokens, per request, on the coordinator's thread)."""
-        tokens = r.output_ids
+        tokens = self._text_ids(r)
         context = self.tokenizer.decode(tokens[r.prefix_offset:r.read_offset], skip_special_tokens=True)
         window = self.tokenizer.decode(tokens[r.prefix_offset:], skip_special_tokens=True)
         if window.endswith("\ufffd") and not r.is_finished:  # a multi-byte character not complete yet

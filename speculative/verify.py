@@ -27,11 +27,15 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.
 
 
 def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
-                 top_p: torch.Tensor | None) -> torch.Tensor:
-    """logits [B, T, V] float32, per-row params [B] -> the distribution to sample from, [B, T, V].
-    Greedy rows (temperature 0) become one-hot at the argmax, so one rule serves both modes."""
+                 top_p: torch.Tensor | None, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, T, V] float32, per-row params [B] -> the distribution to sample from, [B, T, V]:
+    temperature, min-p, top-k, top-p (vLLM's order). Greedy rows (temperature 0) become one-hot at the
+    argmax, so one rule serves both modes."""
     greedy = temperature == 0
     scaled = logits / torch.where(greedy, 1.0, temperature).view(-1, 1, 1)
+    if min_p is not None:  # tokens less likely than min_p x the likeliest one's probability; min_p 0 cuts none
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < min_p.view(-1, 1, 1) * probs.amax(-1, keepdim=True), float("-inf"))
     if top_k is not None:
         scaled = _apply_top_k_top_p(scaled, top_k, top_p)
     probs = torch.softmax(scaled, dim=-1)

@@ -54,7 +54,7 @@ def test_graphs_equal_eager_and_spec_equals_plain():
 
 
 def test_logprobs_take_the_eager_path_unchanged():
-    """A request with logprobs (of its output and its prompt) or penalties makes its steps run eager
+    """A request with logprobs (of its output and its prompt), penalties or a logit_bias makes its steps run eager
     (the graphs return no logits), without host synchronisation: the other requests' tokens stay those
     of the graphs, and each token is its own top token with the same log-probability."""
     plain = _generate(DRAFTER, graphs=True)
@@ -65,7 +65,8 @@ def test_logprobs_take_the_eager_path_unchanged():
     requests = [engine.add_request(p, SamplingParams(max_tokens=48, logprobs=2 if i % 2 else None,
                                                      prompt_logprobs=2 if i % 2 else None))
                 for i, p in enumerate(prompts)]
-    engine.add_request(prompts[0], SamplingParams(max_tokens=48, frequency_penalty=1.0, presence_penalty=0.5))
+    engine.add_request(prompts[0], SamplingParams(max_tokens=48, frequency_penalty=1.0, presence_penalty=0.5,
+                                                  logit_bias={13: 2.0, 28: -5.0}))
     logprobs = {r.request_id: [] for r in requests}
     while engine.has_work:
         for out in engine.step():

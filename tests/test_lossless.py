@@ -147,34 +147,44 @@ def test_logprobs_are_the_targets_own(tiny_dir, tiny_drafter_dir, prompts, plain
                                        top.values, rtol=1e-4, atol=1e-4)
 
 
+def biased(logits: torch.Tensor, out: list[int], params: SamplingParams) -> torch.Tensor:
+    """OpenAI's logit_bias and penalties on next-token logits [..., V] after the output `out`."""
+    counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[-1]).float()
+    bias = torch.zeros(logits.shape[-1])
+    bias[list(params.logit_bias)] = torch.tensor(list(params.logit_bias.values()))
+    return logits + bias - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+
+
 def penalised_greedy(model_dir, prompt: list[int], params: SamplingParams) -> list[int]:
-    """Greedy decoding with OpenAI's penalties, from Hugging Face logits over the whole sequence."""
+    """Greedy decoding with OpenAI's logit_bias and penalties, from Hugging Face logits over the whole sequence."""
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     out = []
     for _ in range(params.max_tokens):
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + out])).logits[0, -1]
-        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0]).float()
-        out.append(int((logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)).argmax()))
+        out.append(int(biased(logits, out, params).argmax()))
     return out
 
 
-def test_penalties_greedy_equal_the_reference(tiny_dir, tiny_drafter_dir, prompts):
-    """Frequency and presence penalties change greedy output as OpenAI defines them, and speculative
-    decoding keeps it exact: the verify pass penalises position j for drafts 1..j as if accepted
-    (oracle drafts, accepted at every depth), in a batch with unpenalised requests."""
-    params = [GREEDY.model_copy(update={"max_tokens": 24, "frequency_penalty": f, "presence_penalty": p})
-              for f, p in [(0.8, 0.0), (0.0, 0.0), (0.0, 1.5), (0.5, 0.5), (-0.5, 0.0), (1.2, -0.3), (0.0, 0.0)]]
+def test_penalties_and_logit_bias_greedy_equal_the_reference(tiny_dir, tiny_drafter_dir, prompts):
+    """Frequency and presence penalties and logit_bias change greedy output as OpenAI defines them,
+    and speculative decoding keeps it exact: the verify pass penalises position j for drafts 1..j as
+    if accepted (oracle drafts, accepted at every depth), in a batch with requests without them. A
+    request resumed after any token (prompt + those tokens) counts them as output."""
+    params = [GREEDY.model_copy(update={"max_tokens": 24, "frequency_penalty": f, "presence_penalty": p,
+                                        "logit_bias": b})
+              for f, p, b in [(0.8, 0.0, {}), (0.0, 0.0, {}), (0.0, 1.5, {}), (0.5, 0.5, {7: 2.5, 30: -100.0}),
+                              (-0.5, 0.0, {}), (1.2, -0.3, {}), (0.0, 0.0, {3: 4.0, 11: -1.0, 63: 1.5})]]
     refs = [penalised_greedy(tiny_dir, prompt, p) for prompt, p in zip(prompts, params)]
-    unpenalised = [penalised_greedy(tiny_dir, prompts[0], params[1])]
-    assert refs[0] != unpenalised[0]  # the penalty is felt
-    plain = tiny_engine(tiny_dir, max_batch_size=4)
-    assert [r.output_ids for r in run_to_completion(plain, prompts, params, JOINS)] == refs
-    # resumed elsewhere after 10 tokens (prompt + those tokens): they still count
-    resumed = [p.model_copy(update={"max_tokens": 14, "prior_output_tokens": 10}) for p in params]
-    assert [r.output_ids for r in run_to_completion(plain, [p + ref[:10] for p, ref in zip(prompts, refs)], resumed)] \
-        == [ref[10:] for ref in refs]
+    plain = [penalised_greedy(tiny_dir, prompt, params[1]) for prompt in (prompts[0], prompts[6])]
+    assert refs[0] != plain[0] and refs[6] != plain[1]  # the penalty and the bias are felt
+    engine = tiny_engine(tiny_dir, max_batch_size=4)
+    assert [r.output_ids for r in run_to_completion(engine, prompts, params, JOINS)] == refs
+    for t in range(1, 24):
+        resumed = [p.model_copy(update={"max_tokens": 24 - t, "prior_output_tokens": t}) for p in params]
+        got = run_to_completion(engine, [p + ref[:t] for p, ref in zip(prompts, refs)], resumed)
+        assert [r.output_ids for r in got] == [ref[t:] for ref in refs], t
     engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, max_batch_size=4, overlap=False)
     requests = run_with_oracle(engine, prompts, refs, JOINS, corrupt_p=0.2, params=params)
     assert [r.output_ids for r in requests] == refs
@@ -257,13 +267,16 @@ def v16_dirs(tmp_path_factory):
     return target, write_random_drafter(root / "drafter", target, seed=6)
 
 
-def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Written independently of speculative.verify: temperature, then top-k, then top-p on the
-    renormalised top-k (the smallest set of most likely tokens whose mass reaches top_p)."""
+def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                    min_p: float = 0.0) -> torch.Tensor:
+    """Written independently of speculative.verify: temperature, then min-p (tokens at least min_p x
+    the likeliest one's probability), then top-k, then top-p on the renormalised survivors (the
+    smallest set of most likely tokens whose mass reaches top_p)."""
     probs = torch.softmax(logits.double() / temperature, -1)
     out = torch.zeros_like(probs)
     for row in range(probs.shape[0]):
-        ranked = probs[row].argsort(descending=True).tolist()[:top_k if top_k > 0 else None]
+        ranked = [t for t in probs[row].argsort(descending=True).tolist() if probs[row, t] >= min_p * probs[row].max()]
+        ranked = ranked[:top_k if top_k > 0 else None]
         mass, total = 0.0, probs[row, ranked].sum().item()
         for token in ranked:
             if mass >= top_p:
@@ -273,18 +286,29 @@ def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
     return out / out.sum(-1, keepdim=True)
 
 
-def exact_joint(model_dir, temperature, top_k, top_p, prompt=PROMPT, frequency_penalty=0.0, presence_penalty=0.0):
+def test_logit_bias_ends_with_its_request(tiny_dir, prompts):
+    """A slot's next request does not inherit its bias, even when it is prefilled in a step without
+    biased rows and then decodes beside a new biased request."""
+    strong = GREEDY.model_copy(update={"max_tokens": 2, "logit_bias": {5: 100.0}})
+    plain = GREEDY.model_copy(update={"max_tokens": 20})
+    joined = GREEDY.model_copy(update={"max_tokens": 20, "logit_bias": {9: 100.0}})
+    engine = tiny_engine(tiny_dir, max_batch_size=2)
+    requests = run_to_completion(engine, prompts[:4], [strong, strong, plain, joined], [0, 0, 6, 9])
+    assert requests[0].output_ids == [5, 5] and requests[3].output_ids == [9] * 20
+    assert requests[2].output_ids == penalised_greedy(tiny_dir, prompts[2], plain)
+
+
+def exact_joint(model_dir, params: SamplingParams, prompt=PROMPT):
     """P(t1, t2, t3) [V, V, V] and the conditionals, from a Hugging Face forward of every prefix
-    (its tokens penalised as OpenAI defines it)."""
+    (with OpenAI's logit_bias and penalties)."""
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 
     def next_probs(prefixes):
         ids = torch.tensor([prompt + p for p in prefixes])
-        counts = torch.stack([torch.bincount(torch.tensor(p, dtype=torch.long), minlength=V16) for p in prefixes])
         with torch.no_grad():
-            logits = hf(ids).logits[:, -1] - frequency_penalty * counts - presence_penalty * (counts > 0)
-            return reference_probs(logits, temperature, top_k, top_p)
+            logits = torch.stack([biased(row, p, params) for row, p in zip(hf(ids).logits[:, -1], prefixes)])
+            return reference_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)
 
     p1 = next_probs([[]])[0]                                                        # [V]
     p2 = next_probs([[a] for a in range(V16)])                                      # [V, V]
@@ -349,8 +373,10 @@ def chi2_pvalue(counts: torch.Tensor, joint: torch.Tensor) -> float:
 
 SAMPLING = {"t1": SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
             "t0.7-topk5-topp0.9": SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=3, ignore_eos=True),
-            "t1-penalties": SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, frequency_penalty=-1.5,
-                                           presence_penalty=-1.0)}  # repeats made likely: felt often
+            "t1-minp0.2-topp0.9": SamplingParams(temperature=1.0, min_p=0.2, top_p=0.9, max_tokens=3, ignore_eos=True),
+            # repeats made likely, so that the penalties are felt often
+            "t1-penalties-bias": SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, frequency_penalty=-1.5,
+                                                presence_penalty=-1.0, logit_bias={2: 1.5, 9: -2.0})}
 
 
 def _engine(dirs, drafter: bool, k: int, prompt_lookup: float = 0.0):
@@ -361,11 +387,11 @@ def _engine(dirs, drafter: bool, k: int, prompt_lookup: float = 0.0):
 
 @pytest.mark.parametrize("params_name, drafts, k", [
     ("t1", "none", 0), ("t1", "random", 3), ("t1", "oracle", 1), ("t1", "oracle", 3),
-    ("t0.7-topk5-topp0.9", "oracle", 3), ("t1-penalties", "none", 0), ("t1-penalties", "oracle", 3)])
+    ("t0.7-topk5-topp0.9", "oracle", 3), ("t1-minp0.2-topp0.9", "oracle", 3), ("t1-penalties-bias", "none", 0),
+    ("t1-penalties-bias", "oracle", 3)])
 def test_sampled_distribution_matches_target(v16_dirs, params_name, drafts, k):
     params = SAMPLING[params_name]
-    joint, conditionals = exact_joint(v16_dirs[0], params.temperature, params.top_k, params.top_p,
-                                      frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty)
+    joint, conditionals = exact_joint(v16_dirs[0], params)
     engine = _engine(v16_dirs, drafts != "none", max(k, 1))
     counts = sample_first_three(engine, params, conditionals if drafts == "oracle" else None)
     p_value = chi2_pvalue(counts, joint)
@@ -402,7 +428,7 @@ def test_wrong_acceptance_rule_is_caught(v16_dirs, monkeypatch, wrong_rule):
     import workers.model_runner
     monkeypatch.setattr(workers.model_runner, "verify_sampled", wrong_rule)
     params = SAMPLING["t1"]
-    joint, conditionals = exact_joint(v16_dirs[0], params.temperature, params.top_k, params.top_p)
+    joint, conditionals = exact_joint(v16_dirs[0], params)
     counts = sample_first_three(_engine(v16_dirs, True, 3), params, conditionals)
     p_value = chi2_pvalue(counts, joint)
     print(f"chi-square p-value {p_value:.3g}")
@@ -460,7 +486,7 @@ def test_sampled_distribution_with_prompt_lookup(v16_dirs):
     the greedy test below holds the recording.)"""
     prompt, K = [3, 1, 2, 7, 3, 1, 13, 9] * 2 + [3, 1], 3
     params = SAMPLING["t1"]
-    joint, _ = exact_joint(v16_dirs[0], params.temperature, params.top_k, params.top_p, prompt)
+    joint, _ = exact_joint(v16_dirs[0], params, prompt)
     engine = _engine(v16_dirs, True, K, prompt_lookup=1.0)
     checked = []
     counts = sample_first_three(engine, params, prompt=prompt,

@@ -208,6 +208,45 @@ def test_held_back_text_is_sent_when_the_request_ends(tok_dir, ends_on):
     assert "".join(deltas) == expected and deltas[-1] == expected[len(" one "):]  # "two" was held back
 
 
+@pytest.mark.parametrize("text, stop, expected", [
+    (" one two three four five six", "hree fo", " one two t"),  # a stop string across tokens
+    (" Grüße aus Köln! 東京タワー 🚀 ok", "タワー🚀", " Grüße aus Köln! 東京タワー 🚀 ok"),  # held back, never stops
+])
+def test_resumed_request_goes_on_from_the_sent_text(tok_dir, text, stop, expected):
+    """A request resumed after any token (on another replica: prompt + the tokens sent, and how much
+    of their text the client has) ends where the undisturbed request ends, stop strings spanning the
+    resume point included, and the client's text adds up to the same, with what the first engine held
+    back (a possible stop string's start, part of a UTF-8 character) sent by the second."""
+    from workers.loader import load_tokenizer
+    tokenizer = load_tokenizer(tok_dir)
+    stream = tokenizer.encode(text)
+    params = SamplingParams(max_tokens=len(stream), stop=[stop])
+
+    def feed(s, r, tokens):
+        deltas = []
+        for token in tokens:
+            if r.is_finished:
+                break
+            plan = s.plan()
+            deltas += [out.text_delta for out in s.process(plan, StepResult(plan.step_id, np.array([[token]]),
+                                                                              np.array([1])))]
+        return "".join(deltas)
+
+    s = Scheduler(1, 256, 256, 0, {0}, tokenizer)
+    whole = s.add("r", [1, 2, 3], params)
+    assert feed(s, whole, stream) == expected
+    for t in range(1, len(whole.output_ids)):
+        s = Scheduler(1, 256, 256, 0, {0}, tokenizer)
+        first = s.add("r", [1, 2, 3], params)
+        shown = feed(s, first, stream[:t])
+        assert not first.is_finished
+        s = Scheduler(1, 256, 256, 0, {0}, tokenizer)
+        resumed = s.add("r", [1, 2, 3] + stream[:t], params.model_copy(
+            update={"max_tokens": len(stream) - t, "prior_output_tokens": t, "prior_text_sent": len(shown)}))
+        assert shown + feed(s, resumed, stream[t:]) == expected, t
+        assert (stream[:t] + resumed.output_ids, resumed.finish_reason) == (whole.output_ids, whole.finish_reason)
+
+
 def test_incremental_detokenizing_equals_whole_decode(tok_dir):
     """Deltas decoded from a few tokens of context add up to the whole output's decode, whatever
     the tokens per step, through multi-byte characters split across tokens and steps."""

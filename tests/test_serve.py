@@ -31,9 +31,9 @@ def client(base_url):
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def chat(client, question, max_tokens=24, **kw):
+def chat(client, question, max_tokens=24, temperature=0, **kw):
     return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
-                                          max_tokens=max_tokens, temperature=0, **kw)
+                                          max_tokens=max_tokens, temperature=temperature, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -213,12 +213,22 @@ def test_tokenize_detokenize_and_stop_token_ids(base_url, client, alone):
     assert _post(base_url, "/tokenize", json.dumps({"model": MODEL})).status_code == 400
 
 
-def test_penalties_reach_the_engine(client, alone):
-    """A frequency penalty changes a greedy answer that repeats tokens (exactness: test_lossless)."""
+def test_sampling_options_reach_the_engine(client, base_url, alone):
+    """A frequency penalty changes a greedy answer that repeats tokens, a logit_bias of -100 on its
+    first token changes how it begins, and min_p 1 makes sampling greedy (exactness: test_lossless)."""
     question = "Count to five."
     penalised = chat(client, question, max_tokens=24, frequency_penalty=2.0).choices[0].message.content
     assert penalised and penalised != alone[question]
     assert chat(client, question, frequency_penalty=0.0).choices[0].message.content == alone[question]
+    first = _post(base_url, "/tokenize", json.dumps({"model": MODEL, "prompt": alone[question]})).json()["tokens"][0]
+    banned = chat(client, question, logit_bias={str(first): -100}).choices[0].message.content
+    assert banned and _post(base_url, "/tokenize", json.dumps({"model": MODEL, "prompt": banned})).json()["tokens"][0] \
+        != first
+    question = "Give me a synonym for happy."
+    sampled = chat(client, question, temperature=1.0, seed=3).choices[0].message.content
+    assert sampled != alone[question]  # this seed's draws leave the greedy path
+    assert chat(client, question, temperature=1.0, seed=3, extra_body={"min_p": 1.0}).choices[0].message.content \
+        == alone[question]
 
 
 def _post(base_url, path, content, key=KEY, headers=None):
@@ -238,6 +248,11 @@ BAD_REQUESTS = [
     ("n over a replica's slots + queue", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 25}, 400),
     ("presence_penalty over 2", "/v1/chat/completions", {"model": MODEL, "presence_penalty": 2.5,
                                                          "messages": [{"role": "user", "content": "x"}]}, 400),
+    ("min_p over 1", "/v1/completions", {"model": MODEL, "prompt": "x", "min_p": 1.5}, 400),
+    ("logit_bias key not a token id", "/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"x": 1}}, 400),
+    ("logit_bias over 100", "/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"1": 101}}, 400),
+    ("logit_bias outside the vocabulary", "/v1/completions", {"model": MODEL, "prompt": "x",
+                                                             "logit_bias": {"1000000": 1}}, 400),
     ("logprobs over 20", "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400),
     ("logprobs true on completions", "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": True}, 400),
     ("top_logprobs without logprobs", "/v1/chat/completions", {"model": MODEL, "top_logprobs": 2,

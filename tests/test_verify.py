@@ -63,6 +63,18 @@ def test_top_k_top_p(tokens_per_row):
     torch.testing.assert_close(probs, expected.unsqueeze(1).expand(3, tokens_per_row, 4))
 
 
+@pytest.mark.parametrize("min_p, top_p, expected", [
+    (0.45, 1.0, [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0]),  # keeps p >= 0.45 x 0.4
+    (0.6, 1.0, [0.4 / 0.7, 0.3 / 0.7, 0, 0]),
+    (0.45, 0.6, [0.4 / 0.7, 0.3 / 0.7, 0, 0]),         # then top-p over the renormalised survivors
+    (0.0, 1.0, [0.4, 0.3, 0.2, 0.1])])
+def test_min_p(min_p, top_p, expected):
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1])).expand(1, 2, 4) * 2  # temperature 2 first
+    probs = target_probs(logits, torch.full((1,), 2.0), torch.zeros(1, dtype=torch.long), torch.tensor([top_p]),
+                         torch.tensor([min_p]))
+    torch.testing.assert_close(probs, torch.tensor(expected).expand(1, 2, 4))
+
+
 def test_rows_without_top_k_top_p_are_not_cut():
     """A row with top_p 1 and no top_k keeps its whole distribution, bit for bit, when another row
     of the step turns the top-k/top-p path on: in float32 the sorted cumulative mass reaches 1.0
@@ -72,6 +84,9 @@ def test_rows_without_top_k_top_p_are_not_cut():
     alone = target_probs(logits[:1], temperature[:1], None, torch.ones(1))
     together = target_probs(logits, temperature, torch.tensor([0, 50]), torch.tensor([1.0, 1.0]))
     assert torch.equal(together[:1], alone) and (together[1] > 0).sum() == 50
+    with_min_p = target_probs(logits, temperature, torch.tensor([0, 0]), torch.tensor([1.0, 1.0]),
+                              torch.tensor([0.0, 0.1]))
+    assert torch.equal(with_min_p[:1], alone) and 0 < (with_min_p[1] > 0).sum() < 49152
 
 
 # ---- no host sync inside a step ----

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from speculative.config import EngineConfig
+from speculative.config import MAX_LOGIT_BIAS, EngineConfig
 from speculative.plan import StepPlan
 from speculative.prompt_lookup import lookup
 from speculative.resource_manager import Eagle3ResourceManager
@@ -112,9 +112,11 @@ class ModelRunner:
         self.temperature = torch.zeros(n, dtype=torch.float32, device=dev)
         self.top_p = torch.ones(n, dtype=torch.float32, device=dev)
         self.top_k = torch.zeros(n, dtype=torch.long, device=dev)
+        self.min_p = torch.zeros(n, dtype=torch.float32, device=dev)
         self.frequency_penalty = torch.zeros(n, dtype=torch.float32, device=dev)
         self.presence_penalty = torch.zeros(n, dtype=torch.float32, device=dev)
         self.output_counts = None  # [slots+1, V]: each slot's output tokens, from the first step with penalties
+        self.bias_ids = self.bias_values = None  # [slots+1, MAX_LOGIT_BIAS]: logit_bias, from the first step using it
         # with prompt lookup: every slot's tokens by position (prompt, output, the chain's drafts)
         self.history = torch.zeros(n, self.cache_len, dtype=torch.long, device=dev) \
             if cfg.prompt_lookup > 0 and self.drafter is not None else None
@@ -155,6 +157,9 @@ class ModelRunner:
         if plan.use_penalties and self.output_counts is None:
             self.output_counts = torch.zeros(self.num_slots + 1, self.target_cfg.vocab_size, dtype=torch.int32,
                                              device=self.device)
+        if plan.use_logit_bias and self.bias_ids is None:
+            self.bias_ids = torch.zeros(self.num_slots + 1, MAX_LOGIT_BIAS, dtype=torch.long, device=self.device)
+            self.bias_values = torch.zeros(self.num_slots + 1, MAX_LOGIT_BIAS, device=self.device)
         if plan.prefills:
             tokens, emitted, seed = self._prefill(plan, inputs)
             outs.append((tokens, emitted))
@@ -180,9 +185,19 @@ class ModelRunner:
     def _prefill(self, plan: StepPlan, inp: dict):
         ids, lens, slots = inp["prefill_ids"], inp["prefill_lens"], inp["prefill_slots"]
         B, T = ids.shape
-        for name in ("seeds", "temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty"):
+        for name in ("seeds", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty"):
             state = getattr(self, name)
             state.index_copy_(0, slots, inp[f"prefill_{name}"].to(state.dtype))
+        if plan.use_logit_bias:
+            self.bias_ids.index_copy_(0, slots, inp["prefill_bias_ids"])
+            self.bias_values.index_copy_(0, slots, inp["prefill_bias_values"])
+        elif self.bias_values is not None:  # an earlier request's bias must not reach a later one in its slot
+            self.bias_values.index_fill_(0, slots, 0.0)
+        if plan.use_penalties:  # the output so far: the prompt's earlier output (a resumed request)
+            self.output_counts.index_fill_(0, slots, 0)
+            positions = torch.arange(T, device=self.device)
+            prior = positions >= (lens - inp["prefill_prior_output_tokens"]).unsqueeze(1)
+            self._count_outputs(slots, ids, prior & (positions < lens.unsqueeze(1)))
         if self.prefill_graphs is not None and plan.graphable and self.prefill_graphs.fits(B, T):
             out = self.prefill_graphs(slots, lens, ids, kv_len=T)
         else:
@@ -191,11 +206,7 @@ class ModelRunner:
         tokens = torch.zeros(B, self.K + 1, dtype=torch.long, device=self.device)
         tokens[:, 0] = out[0]
         emitted = torch.ones(B, dtype=torch.long, device=self.device)
-        if plan.use_penalties:  # the output so far: the prompt's earlier output (a resumed request), the first token
-            self.output_counts.index_fill_(0, slots, 0)
-            positions = torch.arange(T, device=self.device)
-            prior = positions >= (lens - inp["prefill_prior_output_tokens"]).unsqueeze(1)
-            self._count_outputs(slots, ids, prior & (positions < lens.unsqueeze(1)))
+        if plan.use_penalties:
             self._count_outputs(slots, tokens[:, :1], emitted.unsqueeze(1).bool())
         return tokens, emitted, seed
 
@@ -211,7 +222,8 @@ class ModelRunner:
         features = self.resources.feature_view(B, T)
         hidden, _ = self.target(ids, batch, features)
         logits = self.target.logits(hidden[rows, lens - 1].unsqueeze(1))  # [B, 1, V]
-        token = logits[:, 0].argmax(-1) if plan is None else self._sample_one(plan, logits, slots, lens)
+        token = logits[:, 0].argmax(-1) if plan is None else \
+            self._sample_one(plan, self._bias_and_penalise(plan, logits, slots), slots, lens)
         if plan is not None and plan.num_logprobs is not None:  # padded to K+1 columns, like the tokens
             chosen, top_ids, top_logprobs = token_logprobs(logits, token.unsqueeze(1), plan.num_logprobs)
             K = self.K
@@ -254,8 +266,9 @@ class ModelRunner:
         return sample(probs[:, 0], uniform(self.seeds[slots], positions.unsqueeze(1), SAMPLE_STREAM)[:, 0])
 
     def _probs(self, plan, logits, slots):
-        top_k = self.top_k[slots] if plan.use_top_k_top_p else None
-        return target_probs(logits, self.temperature[slots], top_k, self.top_p[slots])
+        if not plan.use_truncation:
+            return target_probs(logits, self.temperature[slots], None, None)
+        return target_probs(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], self.min_p[slots])
 
     def _verify(self, plan: StepPlan, slots: torch.Tensor):
         """-> tokens [B, K+1], num_emitted [B], and what the draft chain continues from (None when
@@ -309,12 +322,8 @@ class ModelRunner:
         batch = self._batch(slots, positions, torch.ones_like(ids, dtype=torch.bool), kv_len)
         hidden, _ = self.target(ids, batch, self.resources.feature_view(B, K + 1) if self.drafter else None)
         logits = raw_logits = self.target.logits(hidden)                      # [B, K+1, V]
-        if plan is not None and plan.use_penalties:
-            # position j follows the output so far and drafts 1..j, as if accepted
-            drafted = torch.zeros_like(logits)
-            drafted[:, 1:].scatter_(-1, drafts.unsqueeze(-1), 1.0)
-            counts = self.output_counts[slots].unsqueeze(1) + drafted.cumsum(1)
-            logits = apply_penalties(logits, counts, self.frequency_penalty[slots], self.presence_penalty[slots])
+        if plan is not None:
+            logits = self._bias_and_penalise(plan, logits, slots, drafts)
         if plan is None or plan.all_greedy:
             tokens, emitted = verify_greedy(logits.argmax(-1), drafts)
         else:
@@ -330,6 +339,23 @@ class ModelRunner:
         self.num_computed.index_copy_(0, slots, base + emitted)
         self._record(slots, positions + 1, tokens)  # past the emitted ones: overwritten before being read
         return tokens, emitted, base
+
+    def _bias_and_penalise(self, plan: StepPlan, logits: torch.Tensor, slots: torch.Tensor,
+                           drafts: torch.Tensor | None = None) -> torch.Tensor:
+        """OpenAI's logit_bias and penalties on logits [B, T, V]. With drafts [B, T-1], position j follows
+        the output so far and drafts 1..j, as if accepted."""
+        if plan.use_logit_bias:
+            B, T, _ = logits.shape
+            logits = logits.scatter_add(-1, self.bias_ids[slots].unsqueeze(1).expand(B, T, -1),
+                                        self.bias_values[slots].unsqueeze(1).expand(B, T, -1))
+        if plan.use_penalties:
+            counts = self.output_counts[slots].unsqueeze(1).float()
+            if drafts is not None:
+                drafted = torch.zeros_like(logits)
+                drafted[:, 1:].scatter_(-1, drafts.unsqueeze(-1), 1.0)
+                counts = counts + drafted.cumsum(1)
+            logits = apply_penalties(logits, counts, self.frequency_penalty[slots], self.presence_penalty[slots])
+        return logits
 
     def _count_outputs(self, slots: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor) -> None:
         """Penalties: add tokens [B, T] where valid [B, T] to their slots' output counts."""

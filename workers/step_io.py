@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from speculative.config import MAX_LOGIT_BIAS
 from speculative.plan import StepPlan, StepResult
 
 
@@ -49,9 +50,16 @@ def prepare_inputs(plan: StepPlan, device: torch.device) -> dict[str, torch.Tens
         host["prefill_temperature"] = torch.tensor([p.temperature for p in plan.prefills])
         host["prefill_top_p"] = torch.tensor([p.top_p for p in plan.prefills])
         host["prefill_top_k"] = torch.tensor([p.top_k for p in plan.prefills])
+        host["prefill_min_p"] = torch.tensor([p.min_p for p in plan.prefills])
         host["prefill_frequency_penalty"] = torch.tensor([p.frequency_penalty for p in plan.prefills])
         host["prefill_presence_penalty"] = torch.tensor([p.presence_penalty for p in plan.prefills])
         host["prefill_prior_output_tokens"] = torch.tensor([p.prior_output_tokens for p in plan.prefills])
+        if plan.use_logit_bias:  # as [rows, MAX_LOGIT_BIAS] ids and values, padded with token 0 and bias 0
+            host["prefill_bias_ids"] = torch.zeros(len(plan.prefills), MAX_LOGIT_BIAS, dtype=torch.long)
+            host["prefill_bias_values"] = torch.zeros(len(plan.prefills), MAX_LOGIT_BIAS)
+            for i, p in enumerate(plan.prefills):
+                host["prefill_bias_ids"][i, :len(p.logit_bias)] = torch.tensor(list(p.logit_bias), dtype=torch.long)
+                host["prefill_bias_values"][i, :len(p.logit_bias)] = torch.tensor(list(p.logit_bias.values()))
     pin = device.type == "cuda"
     return {k: (v.pin_memory() if pin else v).to(device, non_blocking=True) for k, v in host.items()}
 
