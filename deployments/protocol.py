@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, WithJsonSchema, field_validator, model_validator
 from pydantic.json_schema import models_json_schema
 
-from speculative.config import MAX_LOGIT_BIAS, SamplingParams
+from speculative.config import MAX_LOGIT_BIAS, LogitBiasValue, SamplingParams
 
 
 class APIError(Exception):
@@ -97,7 +97,7 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Strict()]] | None = Field(None, max_length=64)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    logit_bias: dict[str, LogitBiasValue] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
 
     @model_validator(mode="before")
@@ -115,7 +115,7 @@ class _SamplingRequest(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, v):
-        if v and not all(k.isascii() and k.isdigit() for k in v):
+        if v and not all(k.isascii() and k.isdigit() and len(k) <= 10 for k in v):
             raise ValueError("logit_bias keys must be token ids (non-negative integers)")
         return v
 
@@ -201,7 +201,7 @@ class DetokenizeRequest(BaseModel):
 
 
 KNOWN_FIELDS = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
-IGNORED_FIELDS = {"logit_bias", "response_format", "tools", "tool_choice", "parallel_tool_calls", "metadata",
+IGNORED_FIELDS = {"response_format", "tools", "tool_choice", "parallel_tool_calls", "metadata",
                   "store", "service_tier", "suffix", "best_of", "prediction", "modalities",
                   "reasoning_effort", "audio", "web_search_options"}
 DEFAULT_VALUES = (None, False, [], {}, {"type": "text"})  # what those fields may hold: what we do anyway

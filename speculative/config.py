@@ -1,11 +1,12 @@
 """User-facing configuration (pydantic, extra fields forbidden). Never mutated at runtime."""
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 
 GREEDY_BELOW = 1e-5  # temperatures under it decode greedily, as in vLLM
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
+LogitBiasValue = Annotated[float, Strict(), Field(ge=-100.0, le=100.0)]  # Strict: JSON true is no bias
 
 
 class SamplingParams(BaseModel):
@@ -24,8 +25,7 @@ class SamplingParams(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     # OpenAI's: added to the logits of these token ids
-    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] = Field(default_factory=dict,
-                                                                                 max_length=MAX_LOGIT_BIAS)
+    logit_bias: dict[int, LogitBiasValue] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
     prior_output_tokens: int = Field(0, ge=0)  # the prompt ends with this request's earlier output (resumed)
     prior_text_sent: int = Field(0, ge=0)  # characters of that output's text the client already has
     logprobs: int | None = Field(None, ge=0, le=20)  # None: off; else the chosen token's + this many top ones

@@ -17,7 +17,7 @@ class PrefillRow:
     min_p: float = 0.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    prior_output_tokens: int = 0  # the prompt's last tokens that count as output (penalties)
+    prior_output_tokens: int = 0  # the prompt's last tokens that count as output (a resumed request)
     logit_bias: dict[int, float] = field(default_factory=dict)
 
 
@@ -29,7 +29,8 @@ class StepPlan:
     free_slots: list[int] = field(default_factory=list)     # released before this step runs
     kv_len: int = 0                                         # cache rows any row may read
     all_greedy: bool = True
-    use_truncation: bool = False     # some row has top-k, top-p or min-p
+    use_top_k_top_p: bool = False
+    use_min_p: bool = False
     num_logprobs: int | None = None  # some row wants log-probabilities, with this many top tokens at most
     use_penalties: bool = False      # some row has a frequency or presence penalty
     use_logit_bias: bool = False     # some row has a logit_bias

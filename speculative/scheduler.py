@@ -33,8 +33,8 @@ class Request:
     text: str = ""                       # decoded output so far, a resumed one's earlier output first (stop
                                          # strings are searched in it)
     num_sent: int = 0                    # characters of text already returned as deltas
-    prefix_offset: int = 0               # output_ids[prefix_offset:read_offset] is the context for
-    read_offset: int = 0                 # decoding the tokens from read_offset on (incremental detokenizing)
+    prefix_offset: int = 0               # text ids[prefix_offset:read_offset] (`_text_ids`) are the context for
+    read_offset: int = 0                 # decoding the ids from read_offset on (incremental detokenizing)
 
     @property
     def is_finished(self) -> bool:
@@ -103,8 +103,8 @@ class Scheduler:
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                f"the maximum sequence length of {self.max_model_len} tokens")
-        for what, ids in (("prompt", prompt_ids), ("logit_bias", params.logit_bias)):
-            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None) if self.vocab_size is not None else None
+        for what, ids in (("prompt", prompt_ids), ("logit_bias", params.logit_bias)) if self.vocab_size else ():
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise RequestError(f"{what} token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
         if params.prior_output_tokens > len(prompt_ids):
@@ -194,7 +194,8 @@ class Scheduler:
             free_slots=self.slots_to_release,
             kv_len=-(-span // 64) * 64,
             all_greedy=all(r.params.is_greedy for r in rows),
-            use_truncation=any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0 for r in rows),
+            use_top_k_top_p=any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows),
+            use_min_p=any(r.params.min_p > 0 for r in rows),
             num_logprobs=max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None),
             use_penalties=any(r.params.frequency_penalty or r.params.presence_penalty for r in rows),
             use_logit_bias=any(r.params.logit_bias for r in rows),

@@ -66,7 +66,7 @@ def test_top_k_top_p(tokens_per_row):
 @pytest.mark.parametrize("min_p, top_p, expected", [
     (0.45, 1.0, [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0]),  # keeps p >= 0.45 x 0.4
     (0.6, 1.0, [0.4 / 0.7, 0.3 / 0.7, 0, 0]),
-    (0.45, 0.6, [0.4 / 0.7, 0.3 / 0.7, 0, 0]),         # then top-p over the renormalised survivors
+    (0.3, 0.75, [0.4 / 0.7, 0.3 / 0.7, 0, 0]),         # then top-p over the survivors (first: three kept)
     (0.0, 1.0, [0.4, 0.3, 0.2, 0.1])])
 def test_min_p(min_p, top_p, expected):
     logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1])).expand(1, 2, 4) * 2  # temperature 2 first
@@ -104,7 +104,10 @@ def test_guard_catches_host_syncs():
 
 CASES = {"greedy": SamplingParams(max_tokens=12, ignore_eos=True),
          "sampled": SamplingParams(temperature=0.9, seed=1, max_tokens=12, ignore_eos=True),
-         "top-k-top-p": SamplingParams(temperature=0.7, top_k=8, top_p=0.9, seed=2, max_tokens=12, ignore_eos=True)}
+         "top-k-top-p": SamplingParams(temperature=0.7, top_k=8, top_p=0.9, seed=2, max_tokens=12, ignore_eos=True),
+         "min-p-bias-penalties": SamplingParams(temperature=0.8, min_p=0.1, logit_bias={3: 2.0, 40: -1.0}, seed=4,
+                                                frequency_penalty=0.5, presence_penalty=0.3, max_tokens=12,
+                                                ignore_eos=True)}
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -266,9 +266,9 @@ class ModelRunner:
         return sample(probs[:, 0], uniform(self.seeds[slots], positions.unsqueeze(1), SAMPLE_STREAM)[:, 0])
 
     def _probs(self, plan, logits, slots):
-        if not plan.use_truncation:
-            return target_probs(logits, self.temperature[slots], None, None)
-        return target_probs(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], self.min_p[slots])
+        top_k = self.top_k[slots] if plan.use_top_k_top_p else None
+        min_p = self.min_p[slots] if plan.use_min_p else None
+        return target_probs(logits, self.temperature[slots], top_k, self.top_p[slots], min_p)
 
     def _verify(self, plan: StepPlan, slots: torch.Tensor):
         """-> tokens [B, K+1], num_emitted [B], and what the draft chain continues from (None when
