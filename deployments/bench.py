@@ -2,9 +2,7 @@
 in the manner of trtllm-bench / vllm bench. Every combination of the given modes, K values, CUDA
 graphs on/off, overlap on/off and batch sizes runs on the same prompts; one engine per
 (speculation, K, graphs), reused across batch sizes and overlap settings."""
-import gzip
 import itertools
-import json
 import queue
 import threading
 import time
@@ -14,6 +12,7 @@ import numpy as np
 from tqdm import tqdm
 
 from speculative.config import EngineConfig, SamplingParams
+from speculative.jsonl import read_rows
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -23,22 +22,17 @@ def load_prompts(path: str | None, num: int) -> list[str]:
     path = Path(path) if path else DATA / "gsm8k" / "test.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"dataset {path} not found")
-    opener = gzip.open if path.suffix == ".gz" else open
     prompts = []
-    with opener(path, "rt") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                prompt = row["prompt"] if "prompt" in row else row["question"] if "question" in row else row["turns"][0]
-            except (ValueError, TypeError, KeyError, IndexError):
-                prompt = None
-            if not isinstance(prompt, str) or not prompt:
-                raise ValueError(f"{path}:{number}: expected a JSON object with a non-empty prompt, question or turns[0]")
-            prompts.append(prompt)
-            if len(prompts) == num:
-                break
+    for where, row in read_rows(path):
+        try:
+            prompt = row["prompt"] if "prompt" in row else row["question"] if "question" in row else row["turns"][0]
+        except (TypeError, KeyError, IndexError):
+            prompt = None
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"{where}: expected a JSON object with a non-empty prompt, question or turns[0]")
+        prompts.append(prompt)
+        if len(prompts) == num:
+            break
     if not prompts:
         raise ValueError(f"{path} holds no prompts")
     return prompts

@@ -39,17 +39,15 @@ def _engine_config(args):
 
 
 def _read_jsonl(path: Path) -> list[dict]:
+    from speculative.jsonl import read_rows
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"error: {path}:{n}: not valid JSON ({e.msg})")
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise SystemExit(f"error: {path}:{n}: each row needs a string field 'prompt'")
-        rows.append(row)
+    try:
+        for where, row in read_rows(path):
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise SystemExit(f"error: {where}: each row needs a string field 'prompt'")
+            rows.append(row)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
     return rows
 
 

@@ -547,8 +547,8 @@ def test_cli_train_drafter_errors(trained, tmp_path, monkeypatch):
     (tmp_path / "cut" / "part-00001.safetensors").write_bytes(data_parts(data)[0].read_bytes()[:-4])
     prompts = str(questions_file(tmp_path))
     cases = [
-        (["--prompts", "noprompt.jsonl", "--distill-only"], 'noprompt.jsonl line 2: no non-empty "prompt"'),
-        (["--prompts", "emptyprompt.jsonl", "--distill-only"], "emptyprompt.jsonl line 1"),
+        (["--prompts", "noprompt.jsonl", "--distill-only"], 'noprompt.jsonl:2: no non-empty "prompt"'),
+        (["--prompts", "emptyprompt.jsonl", "--distill-only"], "emptyprompt.jsonl:1"),
         (["--prompts", "empty.jsonl", "--distill-only"], "empty.jsonl hold no prompts"),
         (["--data", data, "--draft-vocab-size", "60000"], "draft_vocab_size 60000 is larger than the vocabulary"),
         (["--config", "bad.json"], "bad.json is not valid JSON"),

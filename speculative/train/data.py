@@ -6,9 +6,7 @@ The data directory holds the distilled sequences in parts (part-00000.safetensor
 sequence per prompt of the distillation order, in that order. A distillation run continues the
 order after the prompts the parts already hold, so jobs of a few minutes each (the H200 machine's
 limit) grow one dataset, and each part stays small enough to travel between machines."""
-import gzip
 import itertools
-import json
 import random
 import time
 from dataclasses import dataclass
@@ -20,6 +18,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 from tqdm import tqdm
 
+from speculative.jsonl import read_rows
 from speculative.train.config import DistillConfig
 
 
@@ -117,18 +116,11 @@ def read_prompts(files: list[str]) -> list[str]:
     """Prompts from JSONL(.gz) files: field "prompt" (training prompts) or "question" (GSM8K)."""
     prompts = []
     for file in files:
-        opener = gzip.open if str(file).endswith(".gz") else open
-        with opener(file, "rt") as f:
-            for number, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{file} line {number}: not JSON ({e})") from None
-                    prompt = (row.get("prompt") or row.get("question")) if isinstance(row, dict) else None
-                    if not isinstance(prompt, str) or not prompt.strip():
-                        raise ValueError(f'{file} line {number}: no non-empty "prompt" or "question" string')
-                    prompts.append(prompt)
+        for where, row in read_rows(file):
+            prompt = (row.get("prompt") or row.get("question")) if isinstance(row, dict) else None
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise ValueError(f'{where}: no non-empty "prompt" or "question" string')
+            prompts.append(prompt)
     if not prompts:
         raise ValueError(f"the prompt files {', '.join(map(str, files))} hold no prompts")
     return prompts
