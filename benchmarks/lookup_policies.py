@@ -32,16 +32,16 @@ from speculative.prompt_lookup import lookup  # noqa: E402
 
 
 def make_rule(runner, spec: str):
-    """The `_propose(h, slots, q)` of a rule spec (see the module docstring)."""
+    """The `_propose(h, slots, q, depth)` of a rule spec (see the module docstring); no draft tree."""
     name, *params = spec.split(":")
     drafter = runner.drafter
     # target id -> draft id (draft ids keep the target's order); -1 outside the draft vocabulary
     target_to_draft = torch.where(drafter.t2d, drafter.t2d.long().cumsum(0) - 1, -1)
 
-    def propose(h, slots, q):
+    def propose(h, slots, q, depth):
         if name == "off":
-            return drafter.propose(h)
-        draft, probability = drafter.propose_scored(h)
+            return drafter.propose(h)[:, 0]
+        draft, probability = (t[:, 0] for t in drafter.propose_scored(h))
         history = runner.history[slots]
         if name == "longest":
             found, copied = lookup(history, q, 2)

@@ -70,6 +70,9 @@ class EngineConfig(BaseModel):
     # has probability below this, draft the token that followed the last five tokens earlier in
     # the request instead. 0: off
     prompt_lookup: float = Field(0.0, ge=0.0, le=1.0)
+    # the draft tree (speculative/draft_tree.py): at every depth of the chain, the drafter's next
+    # this many choices are verified too, in the same target pass. 0: a chain
+    draft_siblings: int = Field(0, ge=0, le=4)
     seed: int = Field(0, ge=0, le=2**40)              # seeds requests that bring none (seed * 1000003 + n fits int64)
 
     @model_validator(mode="after")

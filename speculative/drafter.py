@@ -107,14 +107,16 @@ class Eagle3Drafter(nn.Module):
             hidden = self.fc(hidden)
         return self.midlayer(self.embed_tokens(ids), hidden, batch)
 
-    def propose(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Pre-norm output [..., H] -> greedy draft token in the target vocabulary [...]."""
-        draft_ids = self.lm_head(self.norm(hidden)).argmax(-1)
+    def propose(self, hidden: torch.Tensor, num: int = 1) -> torch.Tensor:
+        """Pre-norm output [..., H] -> the drafter's `num` likeliest tokens, likeliest first, in the
+        target vocabulary [..., num]."""
+        logits = self.lm_head(self.norm(hidden))
+        draft_ids = logits.argmax(-1, keepdim=True) if num == 1 else logits.topk(num, dim=-1).indices
         return draft_ids + self.d2t[draft_ids]
 
-    def propose_scored(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-norm output [..., H] -> (greedy draft token [...], the drafter's probability of it [...])."""
-        probability, draft_ids = self.lm_head(self.norm(hidden)).float().softmax(-1).max(-1)
+    def propose_scored(self, hidden: torch.Tensor, num: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm output [..., H] -> (`propose`'s tokens [..., num], the drafter's probabilities of them)."""
+        probability, draft_ids = self.lm_head(self.norm(hidden)).float().softmax(-1).topk(num, dim=-1)
         return draft_ids + self.d2t[draft_ids], probability
 
 

@@ -44,7 +44,7 @@ class LLMEngine:
         model_config = load_config(model_dir)
         self.scheduler = Scheduler(executor.num_slots, executor.max_model_len, cfg.max_num_batched_tokens,
                                    cfg.k, eos_ids(self.tokenizer, model_config), self.tokenizer, cfg.seed,
-                                   vocab_size=model_config.get("vocab_size"))
+                                   vocab_size=model_config.get("vocab_size"), tree_rows=cfg.k * cfg.draft_siblings)
         self.in_flight = deque()  # (plan, handle), oldest first
         self.overlap = cfg.overlap  # may be switched between runs (benchmarks)
         self.device_s = 0.0         # GPU time of processed steps (0 on CPU)

@@ -79,8 +79,10 @@ def _logprobs(arrays: tuple | None, row: int, columns, n: int | None) -> list | 
 
 class Scheduler:
     def __init__(self, num_slots: int, max_model_len: int, max_num_batched_tokens: int, k: int,
-                 eos_token_ids: set[int], tokenizer=None, seed: int = 0, vocab_size: int | None = None):
+                 eos_token_ids: set[int], tokenizer=None, seed: int = 0, vocab_size: int | None = None,
+                 tree_rows: int = 0):
         self.num_slots, self.max_model_len, self.k = num_slots, max_model_len, k
+        self.tree_rows = tree_rows  # KV rows a verify pass writes past the chain (the draft tree's siblings)
         self.vocab_size = vocab_size  # prompt ids are checked against it (a bad id would fail the whole step)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
@@ -183,7 +185,8 @@ class Scheduler:
         for r in rows:
             r.in_flight += 1
             r.last_step = step_id
-        span = max(len(r.prompt_ids) + len(r.output_ids) + r.in_flight * (self.k + 1) + self.k + 1 for r in rows)
+        span = max(len(r.prompt_ids) + len(r.output_ids) + r.in_flight * (self.k + 1) + self.k + 1 + self.tree_rows
+                   for r in rows)
         plan = StepPlan(
             step_id=step_id,
             prefills=[PrefillRow(r.slot, r.prompt_ids, r.seed, r.params.temperature, r.params.top_p, r.params.top_k,

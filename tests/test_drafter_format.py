@@ -27,7 +27,7 @@ def drafter_outputs(drafter, seed=0) -> tuple[torch.Tensor, torch.Tensor]:
     positions = torch.arange(5).unsqueeze(0)
     batch = ForwardBatch(torch.tensor([0]), positions, torch.zeros(1, 5, dtype=torch.long), positions, 5)
     h = drafter(ids, features, batch, from_features=True)
-    return h, drafter.propose(h)
+    return h, drafter.propose(h)[..., 0]
 
 
 @pytest.mark.parametrize("with_embeddings", [False, True])

@@ -9,6 +9,8 @@ from scipy.stats import chi2
 
 from conftest import run_to_completion, tiny_engine, tiny_prompts, write_random_drafter, write_tiny_llama
 from speculative.config import SamplingParams
+from speculative.draft_tree import chain_path
+from speculative.verify import verify_sampled
 from speculative.plan import PrefillRow, StepPlan
 from workers.model_runner import ModelRunner
 
@@ -44,25 +46,29 @@ def test_greedy_random_drafter_joining_batch(tiny_dir, tiny_drafter_dir, prompts
     assert [r.output_ids for r in requests] == plain_ref
 
 
-def fresh_drafts(runner: ModelRunner, context: list[int], step_id: int) -> torch.Tensor:
-    """The drafts a freshly started runner proposes after prefilling `context[:-1]` (whose greedy
-    token must be context[-1]): what the incremental drafter KV cache must reproduce."""
+def fresh_drafts(runner: ModelRunner, context: list[int], step_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafts and their siblings a freshly started runner proposes after prefilling `context[:-1]`
+    (whose greedy token must be context[-1]): what the incremental drafter KV cache must reproduce."""
     plan = StepPlan(step_id, prefills=[PrefillRow(0, context[:-1], 0, 0.0, 1.0, 0)],
                     free_slots=[0] if step_id else [], kv_len=len(context) + runner.K + 1)
     result = runner.execute(plan).result()
     assert result.tokens[0, 0] == context[-1]
-    return runner.drafts[0, :runner.K].clone()
+    return runner.drafts[0, :runner.K].clone(), runner.siblings[0, :, :runner.K].clone()
 
 
 def run_with_oracle(engine, prompts, refs, joins, corrupt_p, seed=0, check_against=None, params=None, outputs=None):
     """Non-overlapped steps; after each, the drafts of every running request are overwritten with its
     known plain continuation, some positions corrupted, so drafts are accepted and rejected at every
-    depth. With `check_against` (a fresh runner) the drafter's own proposals, read before they are
-    overwritten, must equal what a fresh prefill of the same context proposes. `params`: per request
-    (greedy ones, for the refs to hold); `outputs`: collects each request's RequestOutputs."""
-    runner, K, V = engine.executor, engine.executor.K, engine.executor.target_cfg.vocab_size
+    depth. With a draft tree, a corrupted draft's siblings hold the right token half the time (in
+    a random one of them), and each step must emit exactly what the tree allows. With
+    `check_against` (a fresh runner) the drafter's own proposals, read before they are overwritten,
+    must equal what a fresh prefill of the same context proposes. `params`: per request (greedy
+    ones, for the refs to hold); `outputs`: collects each request's RequestOutputs.
+    -> the requests, in order (and the steps that went through a sibling are counted in `.siblings_taken`)."""
+    runner, K, M, V = engine.executor, engine.executor.K, engine.executor.M, engine.executor.target_cfg.vocab_size
     rng = random.Random(seed)
     index, requests, pending, steps, checks = {}, {}, list(range(len(prompts))), 0, 0
+    expect, siblings_taken = {}, 0  # request -> (output length before the step, tokens it must emit)
     while pending or engine.has_work:
         while pending and joins[pending[0]] <= steps:
             i = pending.pop(0)
@@ -76,38 +82,58 @@ def run_with_oracle(engine, prompts, refs, joins, corrupt_p, seed=0, check_again
             if r.is_finished or r.slot is None:
                 continue
             i, n = index[r.request_id], len(r.output_ids)
+            if r.request_id in expect:
+                before, emits = expect.pop(r.request_id)
+                assert n - before == emits, f"request {i} after {before} tokens"
             if check_against is not None:
-                expected = fresh_drafts(check_against, prompts[i] + r.output_ids, checks)
+                expected, expected_siblings = fresh_drafts(check_against, prompts[i] + r.output_ids, checks)
                 assert torch.equal(runner.drafts[r.slot, :K], expected), f"request {i} after {n} tokens"
+                assert torch.equal(runner.siblings[r.slot, :, :K], expected_siblings), f"request {i} after {n} tokens"
                 checks += 1
-            drafts = (refs[i][n:n + K] + [0] * K)[:K]
-            drafts = [(d + 1 + rng.randrange(V - 1)) % V if rng.random() < corrupt_p else d for d in drafts]
+            right = (refs[i][n:n + K] + [0] * K)[:K]
+            drafts = [(d + 1 + rng.randrange(V - 1)) % V if rng.random() < corrupt_p else d for d in right]
             runner.drafts[r.slot, :K] = torch.tensor(drafts)
+            if M:
+                siblings = [[rng.randrange(V) for _ in range(K)] for _ in range(M)]
+                for j in range(K):
+                    if drafts[j] != right[j] and rng.random() < 0.5:
+                        siblings[rng.randrange(M)][j] = right[j]
+                runner.siblings[r.slot, :, :K] = torch.tensor(siblings)
+                j = next((j for j in range(K) if drafts[j] != right[j]), K)
+                through = j < K and any(s[j] == right[j] for s in siblings)
+                siblings_taken += through
+                if n + K + 1 <= len(refs[i]):  # the request does not end within the step
+                    expect[r.request_id] = (n, j + 1 + through)
     assert check_against is None or checks > 20
+    run_with_oracle.siblings_taken = siblings_taken
     return [requests[i] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
-def test_greedy_accepting_drafts_joining_batch(tiny_dir, tiny_drafter_dir, prompts, plain_ref, k):
-    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=k, max_batch_size=4, overlap=False)
+@pytest.mark.parametrize("k, siblings", [(1, 0), (3, 0), (5, 0), (1, 1), (3, 1), (4, 2)])
+def test_greedy_accepting_drafts_joining_batch(tiny_dir, tiny_drafter_dir, prompts, plain_ref, k, siblings):
+    """Drafts accepted and rejected at every depth; with a draft tree, steps that go on through a
+    sibling at every depth too (each step's emitted count checked), whose K/V the next steps read."""
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=k, max_batch_size=4, overlap=False, draft_siblings=siblings)
     requests = run_with_oracle(engine, prompts, plain_ref, JOINS, corrupt_p=0.2)
     assert [r.output_ids for r in requests] == plain_ref
     stats = engine.scheduler.stats
     assert stats.num_draft_accepted > 0.5 * stats.num_draft_proposed   # the accept path really ran
     assert stats.accepted_at[-1] > 0                                   # ... down to the last draft
+    assert (run_with_oracle.siblings_taken > 5) == (siblings > 0)
 
 
-@pytest.mark.parametrize("sampled", [False, True])
-def test_logprobs_are_the_targets_own(tiny_dir, tiny_drafter_dir, prompts, plain_ref, sampled, monkeypatch):
+@pytest.mark.parametrize("sampled, siblings", [(False, 0), (False, 1), (True, 0)])
+def test_logprobs_are_the_targets_own(tiny_dir, tiny_drafter_dir, prompts, plain_ref, sampled, siblings, monkeypatch):
     """Every emitted token's log-probability, and the top ones, equal a Hugging Face forward's over
     prompt + output (before temperature, as vLLM reports them): requests joining mid-flight, drafts
     accepted at every depth (greedy, oracle drafts) or sampled rows; so do the prompt's (echo), for
     prompts of different lengths prefilled together; a request that asks for none gets none, and its
-    batch neighbours' requests do not change its tokens. (Sampled: the prompt's in chunks of 7 positions.)"""
+    batch neighbours' requests do not change its tokens. (Sampled: the prompt's in chunks of 7 positions.)
+    With a draft tree, a token after an accepted sibling reports the sibling node's logits."""
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
     counts = [3, None, 0, 5, None, 2, 1]
-    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, max_batch_size=4, overlap=False)
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, max_batch_size=4, overlap=False, draft_siblings=siblings)
     outputs = {}
     if sampled:
         monkeypatch.setattr(ModelRunner._prompt_logprobs, "__defaults__", (7,))
@@ -185,17 +211,19 @@ def test_penalties_and_logit_bias_greedy_equal_the_reference(tiny_dir, tiny_draf
         resumed = [p.model_copy(update={"max_tokens": 24 - t, "prior_output_tokens": t}) for p in params]
         got = run_to_completion(engine, [p + ref[:t] for p, ref in zip(prompts, refs)], resumed)
         assert [r.output_ids for r in got] == [ref[t:] for ref in refs], t
-    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, max_batch_size=4, overlap=False)
-    requests = run_with_oracle(engine, prompts, refs, JOINS, corrupt_p=0.2, params=params)
-    assert [r.output_ids for r in requests] == refs
-    assert engine.scheduler.stats.accepted_at[-1] > 0
+    for siblings in (0, 2):  # with a draft tree, a sibling's logits follow the drafts on its own path
+        engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, max_batch_size=4, overlap=False, draft_siblings=siblings)
+        requests = run_with_oracle(engine, prompts, refs, JOINS, corrupt_p=0.2, params=params)
+        assert [r.output_ids for r in requests] == refs
+        assert engine.scheduler.stats.accepted_at[-1] > 0
+        assert (run_with_oracle.siblings_taken > 5) == (siblings > 0)
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_drafter_kv_cache_matches_fresh_prefill(tiny_dir, tiny_drafter_dir, prompts, plain_ref, k):
-    """After any mix of accepted and rejected drafts, the drafter's KV cache holds what a fresh
-    prefill of the accepted tokens would: its next proposals are identical."""
-    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=k, max_batch_size=4, overlap=False)
+@pytest.mark.parametrize("k, siblings", [(1, 0), (3, 0), (3, 1)])
+def test_drafter_kv_cache_matches_fresh_prefill(tiny_dir, tiny_drafter_dir, prompts, plain_ref, k, siblings):
+    """After any mix of accepted and rejected drafts (and siblings), the drafter's KV cache holds what
+    a fresh prefill of the accepted tokens would: its next proposals are identical, siblings too."""
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=k, max_batch_size=4, overlap=False, draft_siblings=siblings)
     fresh = ModelRunner(engine.cfg)
     requests = run_with_oracle(engine, prompts[:4], plain_ref[:4], JOINS[:4], corrupt_p=0.3,
                                check_against=fresh)
@@ -215,12 +243,13 @@ class EagerGraphs:
         return self.fn(slots, *values, kv_len=kv_len)
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_whole_decode_step_function(tiny_dir, tiny_drafter_dir, prompts, plain_ref, k):
+@pytest.mark.parametrize("k, siblings", [(1, 0), (3, 0), (3, 2)])
+def test_whole_decode_step_function(tiny_dir, tiny_drafter_dir, prompts, plain_ref, k, siblings):
     """What `graph_first_draft` captures as one graph (verify, first draft, draft forwards 2..K),
     run eagerly: lossless, and the drafts it leaves equal a fresh prefill's, through accepted and
     rejected drafts and steps that mix prefills (drafted apart) with decodes."""
-    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=k, max_batch_size=4, overlap=False, graph_first_draft=True)
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=k, max_batch_size=4, overlap=False, graph_first_draft=True,
+                         draft_siblings=siblings)
     engine.executor.verify_graphs = EagerGraphs(engine.executor._decode_step)
     fresh = ModelRunner(engine.cfg)
     requests = run_with_oracle(engine, prompts[:4], plain_ref[:4], JOINS[:4], corrupt_p=0.3, check_against=fresh)
@@ -316,21 +345,20 @@ def exact_joint(model_dir, params: SamplingParams, prompt=PROMPT):
     return p1[:, None, None] * p2[:, :, None] * p3, (p2, p3)
 
 
-def oracle_drafts(conditionals, history: list[int], k: int) -> list[int]:
+def oracle_drafts(conditionals, history: list[int], k: int, m: int = 0) -> tuple[list[int], list[list[int]]]:
     """Drafts that depend only on the history: the most likely next tokens under the exact tables
-    (so they have large p and get accepted often); beyond the third token anything will do."""
+    (so they have large p and get accepted often), and as siblings at each depth the next m most
+    likely there; beyond the third token anything will do. -> (drafts [k], siblings [m][k])."""
     p2, p3 = conditionals
-    drafts, h = [], list(history)
+    drafts, siblings, h = [], [[] for _ in range(m)], list(history)
     for _ in range(k):
-        if len(h) == 1:
-            d = int(p2[h[0]].argmax())
-        elif len(h) == 2:
-            d = int(p3[h[0], h[1]].argmax())
-        else:
-            d = 0
-        drafts.append(d)
-        h.append(d)
-    return drafts
+        p = p2[h[0]] if len(h) == 1 else p3[h[0], h[1]] if len(h) == 2 else None
+        ranked = p.argsort(descending=True).tolist() if p is not None else [0] * (m + 1)
+        drafts.append(ranked[0])
+        for j in range(m):
+            siblings[j].append(ranked[j + 1])
+        h.append(ranked[0])
+    return drafts, siblings
 
 
 def sample_first_three(engine, params: SamplingParams, conditionals=None, prompt=PROMPT,
@@ -347,7 +375,10 @@ def sample_first_three(engine, params: SamplingParams, conditionals=None, prompt
             live = [r for r in engine.scheduler.running.values() if not r.is_finished and r.slot is not None]
             if live:
                 slots = torch.tensor([r.slot for r in live])
-                runner.drafts[slots, :K] = torch.tensor([oracle_drafts(conditionals, r.output_ids, K) for r in live])
+                oracles = [oracle_drafts(conditionals, r.output_ids, K, runner.M) for r in live]
+                runner.drafts[slots, :K] = torch.tensor([d for d, _ in oracles])
+                if runner.M:
+                    runner.siblings[slots, :, :K] = torch.tensor([s for _, s in oracles])
     counts = torch.zeros(V16, V16, V16)
     for r in requests:
         assert len(r.output_ids) == 3
@@ -379,20 +410,24 @@ SAMPLING = {"t1": SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
                                                 presence_penalty=-1.0, logit_bias={2: 1.5, 9: -2.0})}
 
 
-def _engine(dirs, drafter: bool, k: int, prompt_lookup: float = 0.0):
+def _engine(dirs, drafter: bool, k: int, prompt_lookup: float = 0.0, siblings: int = 0):
     target, drafter_dir = dirs
     return tiny_engine(target, drafter_dir if drafter else "none", k=k, max_batch_size=500,
-                       max_model_len=32, max_num_batched_tokens=4096, overlap=False, prompt_lookup=prompt_lookup)
+                       max_model_len=32, max_num_batched_tokens=4096, overlap=False, prompt_lookup=prompt_lookup,
+                       draft_siblings=siblings)
 
 
-@pytest.mark.parametrize("params_name, drafts, k", [
-    ("t1", "none", 0), ("t1", "random", 3), ("t1", "oracle", 1), ("t1", "oracle", 3),
-    ("t0.7-topk5-topp0.9", "oracle", 3), ("t1-minp0.2-topp0.9", "oracle", 3), ("t1-penalties-bias", "none", 0),
-    ("t1-penalties-bias", "oracle", 3)])
-def test_sampled_distribution_matches_target(v16_dirs, params_name, drafts, k):
+@pytest.mark.parametrize("params_name, drafts, k, siblings", [
+    ("t1", "none", 0, 0), ("t1", "random", 3, 0), ("t1", "oracle", 1, 0), ("t1", "oracle", 3, 0),
+    ("t0.7-topk5-topp0.9", "oracle", 3, 0), ("t1-minp0.2-topp0.9", "oracle", 3, 0), ("t1-penalties-bias", "none", 0, 0),
+    ("t1-penalties-bias", "oracle", 3, 0), ("t1", "oracle", 3, 2), ("t0.7-topk5-topp0.9", "oracle", 2, 1),
+    ("t1-penalties-bias", "oracle", 3, 1)])
+def test_sampled_distribution_matches_target(v16_dirs, params_name, drafts, k, siblings):
+    """The exact joint of the first three tokens; with a draft tree, the oracle's siblings are the
+    next most likely tokens at each depth, so that they are accepted often."""
     params = SAMPLING[params_name]
     joint, conditionals = exact_joint(v16_dirs[0], params)
-    engine = _engine(v16_dirs, drafts != "none", max(k, 1))
+    engine = _engine(v16_dirs, drafts != "none", max(k, 1), siblings=siblings)
     counts = sample_first_three(engine, params, conditionals if drafts == "oracle" else None)
     p_value = chi2_pvalue(counts, joint)
     print(f"chi-square p-value {p_value:.3g}")
@@ -402,15 +437,15 @@ def test_sampled_distribution_matches_target(v16_dirs, params_name, drafts, k):
         assert stats.accepted_at[0] > 0.3 * stats.num_verify_rows  # drafts carry real probability mass
 
 
-def accept_always(probs, drafts, u_accept, u_sample):
+def accept_always(probs, drafts, u_accept, u_sample, *_):
     """WRONG: every draft accepted, the bonus drawn from p after the last draft."""
     B, K = drafts.shape
     from speculative.verify import sample
     bonus = sample(probs[:, K], u_sample[:, K])
-    return torch.cat([drafts, bonus.unsqueeze(1)], 1), torch.full((B,), K + 1, dtype=torch.long)
+    return torch.cat([drafts, bonus.unsqueeze(1)], 1), torch.full((B,), K + 1, dtype=torch.long), chain_path(B, K, "cpu")
 
 
-def resample_without_removal(probs, drafts, u_accept, u_sample):
+def resample_without_removal(probs, drafts, u_accept, u_sample, *_):
     """WRONG: accept with probability p(x) but, on rejection, redraw from p itself (x not removed)."""
     from speculative.verify import sample
     B, K = drafts.shape
@@ -420,16 +455,22 @@ def resample_without_removal(probs, drafts, u_accept, u_sample):
     bonus = sample(probs[rows, accepted], u_sample[rows, accepted])
     padded = torch.cat([drafts, bonus.unsqueeze(1)], dim=1)
     tokens = torch.where(torch.arange(K + 1) < accepted.unsqueeze(1), padded, bonus.unsqueeze(1))
-    return tokens, accepted + 1
+    return tokens, accepted + 1, chain_path(B, K, "cpu")
 
 
-@pytest.mark.parametrize("wrong_rule", [accept_always, resample_without_removal])
-def test_wrong_acceptance_rule_is_caught(v16_dirs, monkeypatch, wrong_rule):
+def siblings_too_often(probs, drafts, u_accept, u_sample, siblings, u_sibling):
+    """WRONG: a sibling accepted twice as often as its probability says."""
+    return verify_sampled(probs, drafts, u_accept, u_sample, siblings, u_sibling * 0.5)
+
+
+@pytest.mark.parametrize("wrong_rule, siblings", [(accept_always, 0), (resample_without_removal, 0),
+                                                  (siblings_too_often, 1)])
+def test_wrong_acceptance_rule_is_caught(v16_dirs, monkeypatch, wrong_rule, siblings):
     import workers.model_runner
     monkeypatch.setattr(workers.model_runner, "verify_sampled", wrong_rule)
     params = SAMPLING["t1"]
     joint, conditionals = exact_joint(v16_dirs[0], params)
-    counts = sample_first_three(_engine(v16_dirs, True, 3), params, conditionals)
+    counts = sample_first_three(_engine(v16_dirs, True, 3, siblings=siblings), params, conditionals)
     p_value = chi2_pvalue(counts, joint)
     print(f"chi-square p-value {p_value:.3g}")
     assert p_value < 1e-6

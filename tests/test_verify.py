@@ -13,7 +13,7 @@ from workers.sync_guard import HostSyncError, no_host_sync
 def test_verify_greedy_accepts_longest_matching_prefix():
     target = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]])
     drafts = torch.tensor([[5, 6, 7], [5, 0, 7], [0, 6, 7], [5, 6, 0]])
-    tokens, emitted = verify_greedy(target, drafts)
+    tokens, emitted, _ = verify_greedy(target, drafts)
     assert emitted.tolist() == [4, 2, 1, 3]
     assert [tokens[i, :n].tolist() for i, n in enumerate(emitted.tolist())] == \
         [[5, 6, 7, 8], [5, 6], [5], [5, 6, 7]]
@@ -27,11 +27,63 @@ def test_verify_sampled_on_one_hot_is_greedy():
     drafts = torch.where(torch.rand(64, 3, generator=g) < 0.6, logits[:, :3].argmax(-1),
                          torch.randint(0, 10, (64, 3), generator=g))
     probs = target_probs(logits, torch.zeros(64), None, None)
-    tokens, emitted = verify_sampled(probs, drafts, torch.rand(64, 3, generator=g), torch.rand(64, 4, generator=g))
-    g_tokens, g_emitted = verify_greedy(logits.argmax(-1), drafts)
+    tokens, emitted, _ = verify_sampled(probs, drafts, torch.rand(64, 3, generator=g), torch.rand(64, 4, generator=g))
+    g_tokens, g_emitted, _ = verify_greedy(logits.argmax(-1), drafts)
     assert torch.equal(emitted, g_emitted)
     for i, n in enumerate(emitted.tolist()):
         assert tokens[i, :n].tolist() == g_tokens[i, :n].tolist()
+
+
+def test_verify_greedy_through_a_sibling():
+    """K=3, M=2: nodes 0-3 the chain, 4-6 the first siblings at depths 1-3, 7-9 the second ones."""
+    target = torch.tensor([[5, 6, 7, 8, 20, 21, 22, 30, 31, 32]]).expand(6, -1)
+    drafts = torch.tensor([[5, 0, 7], [5, 0, 7], [5, 6, 7], [0, 6, 7], [5, 6, 0], [0, 0, 0]])
+    siblings = torch.tensor([[[1, 6, 2], [3, 4, 5]],    # depth 2's first sibling is the target's
+                             [[1, 2, 3], [4, 5, 6]],    # none is
+                             [[1, 2, 3], [4, 5, 6]],    # the chain is all accepted
+                             [[1, 2, 3], [5, 5, 6]],    # depth 1's second sibling
+                             [[9, 9, 9], [9, 9, 7]],    # depth 3's second sibling
+                             [[6, 6, 6], [6, 6, 6]]])   # a sibling equal to another depth's token
+    tokens, emitted, path = verify_greedy(target, drafts, siblings)
+    assert emitted.tolist() == [3, 2, 4, 2, 4, 1]
+    assert [tokens[i, :n].tolist() for i, n in enumerate(emitted.tolist())] == \
+        [[5, 6, 21], [5, 6], [5, 6, 7, 8], [5, 30], [5, 6, 7, 32], [5]]
+    assert [path[i, :n].tolist() for i, n in enumerate(emitted.tolist())] == \
+        [[0, 1, 5], [0, 1], [0, 1, 2, 3], [0, 7], [0, 1, 2, 9], [0]]
+
+
+def test_verify_sampled_through_siblings_keeps_the_distribution():
+    """One row repeated: K=1 and two siblings. The first token must follow p at the root, and the
+    token after each sibling p at that sibling's node; deliberately non-renormalised sibling
+    acceptance (u scaled) must fail the same check."""
+    g = torch.Generator().manual_seed(1)
+    N, V = 400_000, 6
+    probs = torch.softmax(torch.randn(1, 4, V, generator=g) * 1.5, -1).expand(N, -1, -1)  # nodes: root, a, b, c
+    p0 = probs[0, 0]
+    a, b, c = p0.argsort(descending=True)[:3].tolist()
+    drafts = torch.full((N, 1), a)
+    siblings = torch.tensor([[[b]], [[c]]]).view(1, 2, 1).expand(N, -1, -1)
+
+    def run(scale):
+        u = lambda *shape: torch.rand(*shape, generator=g)
+        return verify_sampled(probs, drafts, u(N, 1), u(N, 2), siblings, u(N, 2, 1) * scale)
+
+    def worst_z(tokens, emitted):
+        z = []
+        first = torch.bincount(tokens[:, 0], minlength=V).double()
+        z.append(((first / N - p0) / (p0 * (1 - p0) / N).sqrt().clamp(min=1e-9)).abs().max())
+        for x, node in ((a, 1), (b, 2), (c, 3)):
+            rows = tokens[:, 0] == x
+            assert (emitted[rows] == 2).all() == (x in (a, b, c))
+            second = torch.bincount(tokens[rows, 1], minlength=V).double()
+            n, p = rows.sum(), probs[0, node]
+            z.append(((second / n - p) / (p * (1 - p) / n).sqrt().clamp(min=1e-9)).abs().max())
+        return max(z).item()
+
+    tokens, emitted, path = run(1.0)
+    assert worst_z(tokens, emitted) < 5
+    assert set(path[tokens[:, 0] == b, 1].tolist()) == {2} and set(path[tokens[:, 0] == c, 1].tolist()) == {3}
+    assert worst_z(*run(0.7)[:2]) > 8
 
 
 def test_uniform_is_a_counter_based_stream():
@@ -111,18 +163,20 @@ CASES = {"greedy": SamplingParams(max_tokens=12, ignore_eos=True),
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("speculative", [False, True])
-def test_steps_run_without_host_sync(tiny_dir, tiny_drafter_dir, case, speculative):
-    """Prefill, verification and the draft chain, in batches that mix request kinds, with every
-    host-sync method refused: the run completes and equals the unguarded run."""
-    drafter = tiny_drafter_dir if speculative else "none"
+@pytest.mark.parametrize("drafts", ["none", "chain", "tree"])
+def test_steps_run_without_host_sync(tiny_dir, tiny_drafter_dir, case, drafts):
+    """Prefill, verification and the draft chain (or tree), in batches that mix request kinds, with
+    every host-sync method refused: the run completes and equals the unguarded run."""
+    drafter = tiny_drafter_dir if drafts != "none" else "none"
+    siblings = 2 if drafts == "tree" else 0
     prompts = tiny_prompts(5, seed=6)
     params = [CASES[case], CASES["greedy"], CASES[case], CASES[case], CASES["greedy"]]
     joins = [0, 0, 1, 3, 4]
-    guarded = tiny_engine(tiny_dir, drafter, k=3, max_batch_size=4)
+    guarded = tiny_engine(tiny_dir, drafter, k=3, max_batch_size=4, draft_siblings=siblings)
     guarded.executor.check_host_sync = True
     out = run_to_completion(guarded, prompts, params, joins)
-    ref = run_to_completion(tiny_engine(tiny_dir, drafter, k=3, max_batch_size=4), prompts, params, joins)
+    ref = run_to_completion(tiny_engine(tiny_dir, drafter, k=3, max_batch_size=4, draft_siblings=siblings), prompts,
+                            params, joins)
     assert [r.output_ids for r in out] == [r.output_ids for r in ref]
     assert all(len(r.output_ids) == 12 for r in out)
 

@@ -36,6 +36,9 @@ class ForwardBatch:
     write_slots: torch.Tensor      # [B, T] slot to write K/V into (pads: the dummy slot)
     write_positions: torch.Tensor  # [B, T] row to write into, clamped to the cache length
     kv_len: int                    # cache rows read per slot (>= every position + 1)
+    # a draft tree (speculative/draft_tree.py): token i of a row is node i, written at row
+    # write_positions[:, 0] + i, and sees the cache before the root and the nodes tree[i] marks
+    tree: torch.Tensor | None = None  # [T, T] bool
 
 
 @dataclass
@@ -72,7 +75,13 @@ def attention_inputs(batch: ForwardBatch, attn: "CachedAttention", dtype: torch.
     if gqa is None:
         gqa = use_gqa(device, dtype, B, T, attn.heads, attn.head_dim)
     key_pos = torch.arange(batch.kv_len, device=device)
-    hidden_keys = key_pos.view(1, 1, -1) > batch.positions.unsqueeze(-1)          # [B, T, S]
+    if batch.tree is None:
+        hidden_keys = key_pos.view(1, 1, -1) > batch.positions.unsqueeze(-1)      # [B, T, S]
+    else:
+        node = key_pos.view(1, -1) - batch.write_positions[:, :1]                 # [B, S] key row's node
+        in_tree = (node >= 0) & (node < T)
+        sees = batch.tree[:, node.clamp(0, T - 1)].transpose(0, 1)                # [B, T, S]
+        hidden_keys = (node >= 0).unsqueeze(1) & ~(sees & in_tree.unsqueeze(1))
     bias = torch.zeros(hidden_keys.shape, dtype=dtype, device=device).masked_fill_(hidden_keys, float("-inf"))
     bias = bias.unsqueeze(1)                                                      # [B, 1, T, S]
     if not gqa:

@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from speculative.config import MAX_LOGIT_BIAS, EngineConfig
+from speculative.draft_tree import tree_layout
 from speculative.plan import StepPlan
 from speculative.prompt_lookup import lookup
 from speculative.resource_manager import Eagle3ResourceManager
-from speculative.verify import ACCEPT_STREAM, SAMPLE_STREAM, apply_penalties, sample, target_probs, token_logprobs, \
-    uniform, verify_greedy, verify_sampled
+from speculative.verify import ACCEPT_STREAM, SAMPLE_STREAM, SIBLING_STREAM, apply_penalties, sample, target_probs, \
+    token_logprobs, uniform, verify_greedy, verify_sampled
 from workers.attention import ForwardBatch, allocate_kv_cache
 from workers.layers import tp_rank_size
 from workers.llama import LlamaConfig
@@ -61,9 +62,12 @@ class ModelRunner:
         model_dir = resolve_model(cfg.model)
         self.target_cfg = LlamaConfig.from_hf(load_config(model_dir))
         self.K = cfg.k
+        self.M = cfg.draft_siblings if self.K else 0  # siblings per depth in the draft tree
+        self.T = 1 + self.K * (self.M + 1)            # tokens per row in the verify pass
         self.max_model_len = self.target_cfg.max_len(cfg.max_model_len)
-        # room for K+1 tokens past the last real one, twice (a step in flight may overrun a finished request)
-        self.cache_len = self.max_model_len + 2 * (self.K + 1) + 1
+        # room for K+1 tokens past the last real one, twice (a step in flight may overrun a finished
+        # request), and for the verify pass's siblings past the chain
+        self.cache_len = self.max_model_len + 2 * (self.K + 1) + self.K * self.M + 1
         self.target, self.drafter = load_models(cfg, self.target_cfg, model_dir, group, self.device,
                                                 self.dtype, self.cache_len)
         log.info("rank %d: loaded %s (drafter %s) in %.1f s", self.rank, cfg.model, cfg.drafter,
@@ -100,13 +104,16 @@ class ModelRunner:
             self.draft_kv_cache = allocate_kv_cache(1, self.num_slots, self.cache_len, draft_kv, draft_D,
                                                     self.dtype, self.device)
             self.drafter.midlayer.self_attn.cache = self.draft_kv_cache[0]
-        max_step_tokens = max(cfg.max_num_batched_tokens, self.num_slots * (self.K + 1))
+        max_step_tokens = max(cfg.max_num_batched_tokens, self.num_slots * self.T)
         self.resources = Eagle3ResourceManager(
             self.num_slots, max_step_tokens, len(self.target.aux_layer_ids) * tc.hidden_size,
             self.drafter.cfg.hidden_size if self.drafter else tc.hidden_size, self.dtype, self.device)
         n, dev = self.num_slots + 1, self.device
         self.last_token = torch.zeros(n, dtype=torch.long, device=dev)        # [slots+1]
         self.drafts = torch.zeros(n, max(self.K, 1), dtype=torch.long, device=dev)  # [slots+1, K]
+        self.siblings = torch.zeros(n, self.M, max(self.K, 1), dtype=torch.long, device=dev)  # [slots+1, M, K]
+        depth, sees = tree_layout(self.K, self.M)
+        self.node_depth, self.tree_sees = depth.to(dev), sees.to(dev)
         self.num_computed = torch.zeros(n, dtype=torch.long, device=dev)      # target KV length
         self.seeds = torch.zeros(n, dtype=torch.long, device=dev)
         self.temperature = torch.zeros(n, dtype=torch.float32, device=dev)
@@ -174,13 +181,15 @@ class ModelRunner:
         logprobs = tuple(map(torch.cat, zip(*self.logprob_parts))) if self.logprob_parts else None
         return torch.cat([t for t, _ in outs]), torch.cat([e for _, e in outs]), logprobs
 
-    def _batch(self, slots, positions, valid, kv_len) -> ForwardBatch:
+    def _batch(self, slots, positions, valid, kv_len, rows=None, tree=None) -> ForwardBatch:
+        """rows [B, T]: where to write each token's K/V (default: at its position)."""
         dummy = self.resources.dummy_slot
         # rows read per slot: a multiple of 16 (the memory-efficient attention kernel's mask alignment), within the cache
         kv_len = min(-(-kv_len // 16) * 16, self.cache_len)
         write_slots = torch.where(valid, slots.unsqueeze(1), dummy)
         positions = positions.clamp(max=self.cache_len - 1)
-        return ForwardBatch(slots, positions, write_slots, positions, kv_len)
+        rows = positions if rows is None else rows.clamp(max=self.cache_len - 1)
+        return ForwardBatch(slots, positions, write_slots, rows, kv_len, tree)
 
     def _prefill(self, plan: StepPlan, inp: dict):
         ids, lens, slots = inp["prefill_ids"], inp["prefill_lens"], inp["prefill_slots"]
@@ -241,7 +250,7 @@ class ModelRunner:
         last = h[rows, lens - 1]
         self._record(slots, positions, ids)
         self._record(slots, lens.unsqueeze(1), token.unsqueeze(1))  # after: it overwrites the padding at lens
-        return token, last, self._propose(last, slots, lens - 1)
+        return token, last, self._propose(last, slots, lens - 1, depth=0)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, ids: torch.Tensor, num_top: int, chunk: int = 512) -> tuple:
         """`token_logprobs` of the prompts' tokens ids [B, T] after the tokens before them (column t:
@@ -274,86 +283,108 @@ class ModelRunner:
         """-> tokens [B, K+1], num_emitted [B], and what the draft chain continues from (None when
         the graph of the whole step (`graph_first_draft`) ran the drafter already)."""
         if self.verify_graphs is not None and plan.graphable and self.verify_graphs.fits(slots.shape[0], plan.kv_len):
-            tokens, emitted, base = self.verify_graphs(slots, kv_len=plan.kv_len)
+            tokens, emitted, base, path = self.verify_graphs(slots, kv_len=plan.kv_len)
             if self.drafter is None or self.cfg.graph_first_draft:
                 return tokens, emitted, None
         else:
-            tokens, emitted, base = self._verify_target(slots, kv_len=plan.kv_len, plan=plan)
+            tokens, emitted, base, path = self._verify_target(slots, kv_len=plan.kv_len, plan=plan)
         if self.drafter is None:
             return tokens, emitted, None
-        last, first_draft = self._first_draft(slots, tokens, emitted, base, plan.kv_len)
+        last, first_draft = self._first_draft(slots, tokens, emitted, base, path, plan.kv_len)
         return tokens, emitted, DraftSeed(slots, last, base + emitted - 1, first_draft)
 
-    def _first_draft(self, slots, tokens, emitted, base, kv_len: int):
+    def _first_draft(self, slots, tokens, emitted, base, path, kv_len: int):
         """The first draft forward over the accepted + 1 tokens of each row (tokens [B, K+1], padded
-        past emitted [B]), fed by the target features the verify pass captured. -> the drafter's
-        output at the last accepted token [B, H], first draft [B]."""
+        past emitted [B]), fed by the target features the verify pass captured at the nodes of
+        `path` [B, K+1]. -> the drafter's output at the last accepted token [B, H], first draft [B]."""
         K, B = self.K, slots.shape[0]
         rows = torch.arange(B, device=self.device)
         accepted = emitted - 1
         positions = base.unsqueeze(1) + torch.arange(K + 1, device=self.device)
         valid = torch.arange(K + 1, device=self.device) <= accepted.unsqueeze(1)
         dbatch = self._batch(slots, positions, valid, kv_len)
-        h = self.drafter(tokens, self.resources.feature_view(B, K + 1), dbatch, from_features=True)
+        features = self.resources.feature_view(B, self.T)
+        if self.M:
+            features = features[rows.unsqueeze(1), path]
+        h = self.drafter(tokens, features, dbatch, from_features=True)
         last = h[rows, accepted]
-        return last, self._propose(last, slots, base + accepted)
+        return last, self._propose(last, slots, base + accepted, depth=0)
 
     def _decode_step(self, slots: torch.Tensor, kv_len: int):
         """A whole greedy decode step as one CUDA graph (`graph_first_draft`): verify pass, first
         draft forward and draft forwards 2..K. The first draft's shape is fixed at [B, K+1] (rows
         past the accepted tokens write to the dummy slot), so it can be captured, which saves its
         ~40 eager launches and the chain graph's launch and input copies in every step."""
-        tokens, emitted, base = self._verify_target(slots, kv_len)
-        last, first_draft = self._first_draft(slots, tokens, emitted, base, kv_len)
+        tokens, emitted, base, path = self._verify_target(slots, kv_len)
+        last, first_draft = self._first_draft(slots, tokens, emitted, base, path, kv_len)
         self.resources.write_hidden(slots, last)
         self._draft_steps(slots, first_draft, base + emitted - 1, kv_len)
-        return tokens, emitted, base
+        return tokens, emitted, base, path
 
     def _verify_target(self, slots: torch.Tensor, kv_len: int, plan: StepPlan | None = None):
-        """Target forward over [pending token, drafts] per row, verification and the slot-state
-        update. Greedy when `plan` is None (the CUDA-graphed form). -> tokens [B, K+1],
-        num_emitted [B], position of the pending token before the step [B]."""
-        K, B = self.K, slots.shape[0]
+        """Target forward over the draft tree per row (the pending token, the drafts, their siblings),
+        verification and the slot-state update. Greedy when `plan` is None (the CUDA-graphed form).
+        -> tokens [B, K+1], num_emitted [B], position of the pending token before the step [B], and
+        the node whose logits chose each token [B, K+1]."""
+        K, M, B = self.K, self.M, slots.shape[0]
         rows = torch.arange(B, device=self.device)
         base = self.num_computed[slots]                                        # [B]
-        positions = base.unsqueeze(1) + torch.arange(K + 1, device=self.device)  # [B, K+1]
+        chain = base.unsqueeze(1) + torch.arange(K + 1, device=self.device)    # [B, K+1] the chain's positions
         drafts = self.drafts[slots, :K]                                       # [B, K]
-        ids = torch.cat([self.last_token[slots].unsqueeze(1), drafts], dim=1)  # [B, K+1]
-        batch = self._batch(slots, positions, torch.ones_like(ids, dtype=torch.bool), kv_len)
-        hidden, _ = self.target(ids, batch, self.resources.feature_view(B, K + 1) if self.drafter else None)
-        logits = raw_logits = self.target.logits(hidden)                      # [B, K+1, V]
+        siblings = self.siblings[slots, :, :K] if M else None                 # [B, M, K]
+        ids = torch.cat([self.last_token[slots].unsqueeze(1), drafts] + ([siblings.flatten(1)] if M else []), dim=1)
+        valid = torch.ones_like(ids, dtype=torch.bool)
+        batch = self._batch(slots, chain, valid, kv_len) if not M else self._batch(
+            slots, base.unsqueeze(1) + self.node_depth, valid, kv_len,
+            rows=base.unsqueeze(1) + torch.arange(self.T, device=self.device), tree=self.tree_sees)
+        hidden, _ = self.target(ids, batch, self.resources.feature_view(B, self.T) if self.drafter else None)
+        logits = raw_logits = self.target.logits(hidden)                      # [B, T, V]
         if plan is not None:
-            logits = self._bias_and_penalise(plan, logits, slots, drafts)
+            logits = self._bias_and_penalise(plan, logits, slots, ids)
         if plan is None or plan.all_greedy:
-            tokens, emitted = verify_greedy(logits.argmax(-1), drafts)
+            tokens, emitted, path = verify_greedy(logits.argmax(-1), drafts, siblings)
         else:
             seeds = self.seeds[slots]
-            tokens, emitted = verify_sampled(self._probs(plan, logits, slots), drafts,
-                                             uniform(seeds, positions[:, 1:], ACCEPT_STREAM),
-                                             uniform(seeds, positions + 1, SAMPLE_STREAM))
+            u_sibling = torch.stack([uniform(seeds, chain[:, 1:], SIBLING_STREAM + m) for m in range(M)], 1) \
+                if M else None
+            tokens, emitted, path = verify_sampled(self._probs(plan, logits, slots), drafts,
+                                                   uniform(seeds, chain[:, 1:], ACCEPT_STREAM),
+                                                   uniform(seeds, chain + 1, SAMPLE_STREAM), siblings, u_sibling)
         if plan is not None and plan.num_logprobs is not None:  # the model's own, before penalties
-            self.logprob_parts.append(token_logprobs(raw_logits, tokens, plan.num_logprobs))
+            self.logprob_parts.append(token_logprobs(raw_logits[rows.unsqueeze(1), path], tokens, plan.num_logprobs))
         if plan is not None and plan.use_penalties:
             self._count_outputs(slots, tokens, torch.arange(K + 1, device=self.device) < emitted.unsqueeze(1))
+        if M:
+            self._move_sibling_kv(slots, base, path, emitted)
         self.last_token.index_copy_(0, slots, tokens[rows, emitted - 1])
         self.num_computed.index_copy_(0, slots, base + emitted)
-        self._record(slots, positions + 1, tokens)  # past the emitted ones: overwritten before being read
-        return tokens, emitted, base
+        self._record(slots, chain + 1, tokens)  # past the emitted ones: overwritten before being read
+        return tokens, emitted, base, path
+
+    def _move_sibling_kv(self, slots, base, path, emitted) -> None:
+        """An accepted sibling's K/V, in every target layer, from its tree row to its position's row
+        (the rejected chain draft's). Rows without one copy into the dummy slot."""
+        rows = torch.arange(slots.shape[0], device=self.device)
+        last = emitted - 1           # the last emitted token's column: its node is the only one that may move
+        node = path[rows, last]
+        into = torch.where(node != last, slots, self.resources.dummy_slot)
+        end = self.cache_len - 1
+        self.kv_cache[:, :, into, (base + last).clamp(max=end)] = self.kv_cache[:, :, slots, (base + node).clamp(max=end)]
 
     def _bias_and_penalise(self, plan: StepPlan, logits: torch.Tensor, slots: torch.Tensor,
-                           drafts: torch.Tensor | None = None) -> torch.Tensor:
-        """OpenAI's logit_bias and penalties on logits [B, T, V]. With drafts [B, T-1], position j follows
-        the output so far and drafts 1..j, as if accepted."""
+                           tree_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """OpenAI's logit_bias and penalties on logits [B, T, V]. With tree_ids [B, T] (the verify pass's
+        tokens), node i follows the output so far and the drafts on its path, as if accepted."""
         if plan.use_logit_bias:
             B, T, _ = logits.shape
             logits = logits.scatter_add(-1, self.bias_ids[slots].unsqueeze(1).expand(B, T, -1),
                                         self.bias_values[slots].unsqueeze(1).expand(B, T, -1))
         if plan.use_penalties:
             counts = self.output_counts[slots].unsqueeze(1).float()
-            if drafts is not None:
+            if tree_ids is not None:
                 drafted = torch.zeros_like(logits)
-                drafted[:, 1:].scatter_(-1, drafts.unsqueeze(-1), 1.0)
-                counts = counts + drafted.cumsum(1)
+                drafted[:, 1:].scatter_(-1, tree_ids[:, 1:].unsqueeze(-1), 1.0)
+                counts = counts + torch.einsum("ij,bjv->biv", self.tree_sees.to(logits.dtype), drafted)
             logits = apply_penalties(logits, counts, self.frequency_penalty[slots], self.presence_penalty[slots])
         return logits
 
@@ -382,21 +413,30 @@ class ModelRunner:
             hidden = self.resources.read_hidden(slots).unsqueeze(1)             # [B, 1, H]
             h = self.drafter(drafts[-1].unsqueeze(1), hidden, batch, from_features=False)[:, 0]
             self.resources.write_hidden(slots, h)
-            drafts.append(self._propose(h, slots, positions + k))
+            drafts.append(self._propose(h, slots, positions + k, depth=k))
         stacked = torch.stack(drafts, dim=1)                                    # [B, K]
         self.drafts.index_copy_(0, slots, stacked)
         return (stacked,)
 
-    def _propose(self, h: torch.Tensor, slots: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """The draft from the drafter's output h [B, H] at positions q [B]. With prompt lookup, the
-        looked-up token where the drafter's own is less likely than `cfg.prompt_lookup`, recorded
-        at q+2 so that the chain's next lookups see it."""
+    def _propose(self, h: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, depth: int) -> torch.Tensor:
+        """The draft from the drafter's output h [B, H] at positions q [B], at 0-based `depth` in the
+        chain. With prompt lookup, the looked-up token where the drafter's own is less likely than
+        `cfg.prompt_lookup`, recorded at q+2 so that the chain's next lookups see it. With a draft
+        tree, the drafter's next M choices become the depth's siblings."""
+        if self.history is None and not self.M:
+            return self.drafter.propose(h)[:, 0]
         if self.history is None:
-            return self.drafter.propose(h)
-        draft, probability = self.drafter.propose_scored(h)
-        found, copied = lookup(self.history[slots], q)
-        draft = torch.where(found & (probability < self.cfg.prompt_lookup), copied, draft)
-        self._record(slots, (q + 2).unsqueeze(1), draft.unsqueeze(1))
+            top = self.drafter.propose(h, self.M + 1)                          # [B, M+1]
+            draft, others = top[:, 0], top[:, 1:]
+        else:
+            top, probability = self.drafter.propose_scored(h, self.M + 1)
+            found, copied = lookup(self.history[slots], q)
+            copy = found & (probability[:, 0] < self.cfg.prompt_lookup)
+            draft = torch.where(copy, copied, top[:, 0])
+            others = torch.where(copy.unsqueeze(1), top[:, :self.M], top[:, 1:])  # the drafter's own first, if copied over
+            self._record(slots, (q + 2).unsqueeze(1), draft.unsqueeze(1))
+        if self.M:
+            self.siblings[slots, :, depth] = others
         return draft
 
     def _record(self, slots: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
