@@ -5,6 +5,7 @@ benchmark sets and GSM8K test, chat template applied, for several K and temperat
         --temperatures 0 0.7 --output benchmarks/acceptance_smollm2.json
 """
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -54,21 +55,22 @@ def main(argv=None) -> None:
     p.add_argument("--data-root", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--prompt-lookup", type=float, default=0.0, help="EngineConfig.prompt_lookup (0: off)")
+    p.add_argument("--siblings", type=int, nargs="+", default=[0], help="EngineConfig.draft_siblings values (0: a chain)")
     p.add_argument("--output", type=Path, help="results JSON")
     args = p.parse_args(argv)
     sets = load_sets(args.data_root, args.num_gsm8k_test, args.sets)
     results = []
-    for k in args.k:
+    for k, siblings in itertools.product(args.k, args.siblings):
         # the runner pads a prefill batch to its longest prompt, so budget for the padded size
         engine = LLMEngine(EngineConfig(model=args.model, drafter=args.drafter, num_draft_tokens=k,
                                         max_batch_size=args.max_batch_size, max_model_len=2048,
                                         max_num_batched_tokens=args.max_batch_size * 2048, device=args.device,
-                                        prompt_lookup=args.prompt_lookup))
+                                        prompt_lookup=args.prompt_lookup, draft_siblings=siblings))
         engine.scheduler.tokenizer = None  # acceptance needs no detokenizing
         encoded = {name: [encode_prompt(engine.tokenizer, text) for text in texts] for name, texts in sets.items()}
         for temperature in args.temperatures:
             for name, prompts in encoded.items():
-                row = {"set": name, "k": k, "temperature": temperature,
+                row = {"set": name, "k": k, "siblings": siblings, "temperature": temperature,
                        **measure(engine, prompts, temperature, args.max_tokens)}
                 results.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
@@ -82,12 +84,13 @@ def main(argv=None) -> None:
 
 
 def print_table(results: list[dict]) -> None:
-    columns = sorted({(r["k"], r["temperature"]) for r in results})
+    columns = sorted({(r["k"], r.get("siblings", 0), r["temperature"]) for r in results})
     names = list(dict.fromkeys(r["set"] for r in results))
-    print("| set | " + " | ".join(f"K={k} T={t:g}" for k, t in columns) + " |")
+    print("| set | " + " | ".join(f"K={k}{f' M={m}' if m else ''} T={t:g}" for k, m, t in columns) + " |")
     print("|---|" + "---|" * len(columns))
     for name in names:
-        cells = {(r["k"], r["temperature"]): r["acceptance_length"] for r in results if r["set"] == name}
+        cells = {(r["k"], r.get("siblings", 0), r["temperature"]): r["acceptance_length"]
+                 for r in results if r["set"] == name}
         print(f"| {name} | " + " | ".join(f"{cells.get(c, float('nan')):.2f}" for c in columns) + " |")
 
 

@@ -153,7 +153,7 @@ def run_load(coordinator, prompts: list[list[int]], params: SamplingParams, conc
 def bench(model: str, drafter: str, ks: list[int], modes: list[str], graphs: list[bool], overlaps: list[bool],
           batches: list[int], prompts_text: list[str], output_len: int, ignore_eos: bool, device: str,
           max_model_len: int, prompts_per_batch: int, graph_first_draft: bool = False,
-          prompt_lookup: float = 0.0, logprobs: int | None = None) -> list[dict]:
+          prompt_lookup: float = 0.0, logprobs: int | None = None, siblings: list[int] = (0,)) -> list[dict]:
     from speculative.coordinator import Coordinator
     from speculative.engine import encode_prompt
     from workers.loader import load_tokenizer, resolve_model
@@ -162,15 +162,16 @@ def bench(model: str, drafter: str, ks: list[int], modes: list[str], graphs: lis
         raise ValueError(f"model {model!r} has no tokenizer to encode the benchmark's prompts")
     prompts = [encode_prompt(tokenizer, p) for p in prompts_text]
     params = SamplingParams(max_tokens=output_len, ignore_eos=ignore_eos, logprobs=logprobs)
-    engines = [(m, k, g) for m in modes for k in (ks if m == "eagle" else [0]) for g in graphs]
+    engines = [(m, k, s, g) for m in modes for k in (ks if m == "eagle" else [0])
+               for s in (siblings if m == "eagle" else [0]) for g in graphs]
     runs = []
     # plain decoding runs once per batch size, with the first overlap setting asked for
-    bar = tqdm(total=sum(len(batches) * (len(overlaps) if m == "eagle" else 1) for m, _, _ in engines), desc="bench")
-    for mode, k, use_graphs in engines:
+    bar = tqdm(total=sum(len(batches) * (len(overlaps) if m == "eagle" else 1) for m, *_ in engines), desc="bench")
+    for mode, k, num_siblings, use_graphs in engines:
         cfg = EngineConfig(model=model, drafter=drafter if mode == "eagle" else "none", num_draft_tokens=max(k, 1),
                            max_batch_size=max(batches), max_model_len=max_model_len, device=device,
                            cuda_graphs=use_graphs, graph_first_draft=graph_first_draft,
-                           prompt_lookup=prompt_lookup if mode == "eagle" else 0.0)
+                           prompt_lookup=prompt_lookup if mode == "eagle" else 0.0, draft_siblings=num_siblings)
         start = time.perf_counter()
         coordinator = Coordinator(cfg)
         startup_s = time.perf_counter() - start
@@ -181,7 +182,7 @@ def bench(model: str, drafter: str, ks: list[int], modes: list[str], graphs: lis
                 n = max(prompts_per_batch, 2 * batch)
                 result = run_load(coordinator, (prompts * (n // len(prompts) + 1))[:n], params, batch,
                                   measure_gpu=device != "cpu")
-                runs.append({"mode": mode, "k": k, "cuda_graphs": use_graphs, "overlap": overlap, "batch": batch,
+                runs.append({"mode": mode, "k": k, "siblings": num_siblings, "cuda_graphs": use_graphs, "overlap": overlap, "batch": batch,
                              "graph_first_draft": graph_first_draft and use_graphs and mode == "eagle",
                              "prompt_lookup": cfg.prompt_lookup, "logprobs": logprobs,
                              "startup_s": startup_s, **result})
@@ -193,7 +194,7 @@ def bench(model: str, drafter: str, ks: list[int], modes: list[str], graphs: lis
 
 
 def print_table(runs: list[dict]) -> None:
-    head = f"{'mode':6} {'K':>2} {'graphs':>6} {'ovl':>4} {'batch':>5} {'tok/s':>9} {'req/s':>7} {'acc len':>7} " \
+    head = f"{'mode':6} {'K':>2} {'M':>2} {'graphs':>6} {'ovl':>4} {'batch':>5} {'tok/s':>9} {'req/s':>7} {'acc len':>7} " \
            f"{'ttft p50':>9} {'itl p50':>8} {'gpu busy':>8} {'nvml':>5} {'extra':>6}"
     print(head)
 
@@ -204,7 +205,7 @@ def print_table(runs: list[dict]) -> None:
         return f"{x:.{digits}f}m" if x is not None else "-"
 
     for r in runs:
-        print(f"{r['mode']:6} {r['k']:>2} {str(r['cuda_graphs']):>6} {str(r['overlap']):>4} {r['batch']:>5} "
+        print(f"{r['mode']:6} {r['k']:>2} {r.get('siblings', 0):>2} {str(r['cuda_graphs']):>6} {str(r['overlap']):>4} {r['batch']:>5} "
               f"{r['output_tokens_per_s']:>9.1f} {r['requests_per_s']:>7.2f} {r['mean_acceptance_length']:>7.2f} "
               f"{ms(r['ttft_ms']['p50'], 1):>9} {ms(r['itl_ms']['p50'], 2):>8} {percent(r['gpu_busy_fraction']):>8} "
               f"{percent(r['nvml_busy_fraction']):>5} {r['extra_pass_share']:>6.1%}")
@@ -219,11 +220,12 @@ def plot(runs: list[dict], path: Path) -> bool:
         print("matplotlib is not installed: no plot")
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    keys = sorted({(r["mode"], r["k"], r["cuda_graphs"], r["overlap"]) for r in runs})
-    for mode, k, g, o in keys:
+    keys = sorted({(r["mode"], r["k"], r.get("siblings", 0), r["cuda_graphs"], r["overlap"]) for r in runs})
+    for mode, k, m, g, o in keys:
         pts = sorted((r["batch"], r["output_tokens_per_s"]) for r in runs
-                     if (r["mode"], r["k"], r["cuda_graphs"], r["overlap"]) == (mode, k, g, o))
-        label = f"{mode}{f' K={k}' if k else ''}{' graphs' if g else ''}{' overlap' if o and mode == 'eagle' else ''}"
+                     if (r["mode"], r["k"], r.get("siblings", 0), r["cuda_graphs"], r["overlap"]) == (mode, k, m, g, o))
+        label = f"{mode}{f' K={k}' if k else ''}{f' M={m}' if m else ''}{' graphs' if g else ''}" \
+                f"{' overlap' if o and mode == 'eagle' else ''}"
         ax.plot(*zip(*pts), marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size (concurrent requests)")

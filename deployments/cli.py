@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 
 ENGINE_FLAGS = ("model", "drafter", "num_draft_tokens", "max_batch_size", "max_model_len", "device", "dtype", "tp",
-                "prompt_lookup")
+                "prompt_lookup", "draft_siblings")
 
 
 def _engine_args(p: argparse.ArgumentParser, with_defaults: bool = True) -> None:
@@ -28,6 +28,8 @@ def _engine_args(p: argparse.ArgumentParser, with_defaults: bool = True) -> None
     p.add_argument("--prompt-lookup", type=float, default=d(0.0), metavar="P",
                    help="draft the token that followed the last five tokens earlier in the request where "
                         "the drafter's own draft has probability below P (0: off)")
+    p.add_argument("--draft-siblings", type=int, default=d(0), metavar="M",
+                   help="verify the drafter's next M choices at every draft depth too, in the same pass (0: a chain)")
 
 
 def _engine_config(args):
@@ -35,7 +37,7 @@ def _engine_config(args):
     return EngineConfig(model=args.model, drafter=args.drafter, num_draft_tokens=args.num_draft_tokens,
                         max_batch_size=args.max_batch_size, max_model_len=args.max_model_len,
                         device=args.device, dtype=args.dtype, tp=args.tp, overlap=not args.no_overlap,
-                        prompt_lookup=args.prompt_lookup)
+                        prompt_lookup=args.prompt_lookup, draft_siblings=args.draft_siblings)
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -181,11 +183,13 @@ def cmd_bench(args) -> None:
     on = {"on": [True], "off": [False], "both": [True, False]}
     try:
         ks, batches = [int(k) for k in args.k.split(",")], [int(b) for b in args.batch.split(",")]
+        siblings = [int(m) for m in args.draft_siblings.split(",")]
     except ValueError:
-        raise ValueError("-k and --batch take integers, comma-separated") from None
+        raise ValueError("-k, --batch and --draft-siblings take integers, comma-separated") from None
     modes = args.modes.split(",")
-    if min(ks) < 1 or min(batches) < 1 or not set(modes) <= {"plain", "eagle"}:
-        raise ValueError("-k and --batch values must be >= 1, and --modes holds plain and/or eagle")
+    if min(ks) < 1 or min(batches) < 1 or min(siblings) < 0 or not set(modes) <= {"plain", "eagle"}:
+        raise ValueError("-k and --batch values must be >= 1, --draft-siblings >= 0, and --modes holds plain "
+                         "and/or eagle")
     prompts = bench.load_prompts(args.dataset, max(args.num_prompts, 1))
     ray.init(address=os.environ.get("RAY_ADDRESS"), num_cpus=None if args.device == "cuda" else _local_cpus(1),
              logging_level="WARNING", log_to_driver=False)
@@ -193,7 +197,7 @@ def cmd_bench(args) -> None:
         runs = bench.bench(args.model, args.drafter, ks, modes, on[args.cuda_graphs], on[args.overlap], batches, prompts,
                            args.output_len, args.ignore_eos, args.device, args.max_model_len, args.num_prompts,
                            graph_first_draft=args.graph_first_draft, prompt_lookup=args.prompt_lookup,
-                           logprobs=args.logprobs)
+                           logprobs=args.logprobs, siblings=siblings)
     finally:
         ray.shutdown()
     bench.print_table(runs)
@@ -296,6 +300,8 @@ def main(argv=None) -> None:
                    help="capture each greedy decode step whole: verify + all draft forwards (default: first draft eager)")
     b.add_argument("--prompt-lookup", type=float, default=0.0, metavar="P", help="EAGLE-3 runs with prompt lookup "
                    "below drafter probability P (0: off)")
+    b.add_argument("--draft-siblings", default="0", metavar="M", help="comma-separated siblings per draft depth "
+                   "for the EAGLE-3 runs (0: a chain)")
     b.add_argument("--logprobs", type=int, default=None, metavar="N", help="every request asks for its tokens' "
                    "log-probabilities and N top ones (what that costs: such steps run eager)")
     b.add_argument("--output-len", type=int, default=256)

@@ -19,11 +19,11 @@ QUESTIONS = ["What is 2+2?", "Write a haiku about the sea.", "Name three colors.
 
 def _run(drafter: str, graphs: bool, k: int = 3, check_sync: bool = False, max_tokens: int = 48,
          max_batch_size: int = 8, graph_first_draft: bool = False, prompt_lookup: float = 0.0,
-         questions: list[str] = QUESTIONS):
+         questions: list[str] = QUESTIONS, siblings: int = 0):
     """-> (output ids per question, the engine's number of accepted drafts)."""
     cfg = EngineConfig(model=MODEL, drafter=drafter, num_draft_tokens=k, max_batch_size=max_batch_size, max_model_len=512,
                        device="cuda", dtype="float32", cuda_graphs=graphs, graph_first_draft=graph_first_draft,
-                       prompt_lookup=prompt_lookup)
+                       prompt_lookup=prompt_lookup, draft_siblings=siblings)
     engine = LLMEngine(cfg)
     engine.executor.check_host_sync = check_sync
     prompts = [encode_prompt(engine.tokenizer, q) for q in questions]
@@ -51,6 +51,10 @@ def test_graphs_equal_eager_and_spec_equals_plain():
     # prompt lookup in the chain: its token history written and read inside the graphs
     assert _generate(DRAFTER, graphs=True, prompt_lookup=0.5) == plain_eager
     assert _generate(DRAFTER, graphs=True, k=5, max_batch_size=2, graph_first_draft=True, prompt_lookup=0.5) == plain_eager
+    # the draft tree: its mask, the siblings' state and the moved sibling K/V inside the graphs
+    assert _generate(DRAFTER, graphs=True, siblings=1) == plain_eager
+    assert _generate(DRAFTER, graphs=True, k=5, max_batch_size=2, graph_first_draft=True, siblings=2,
+                     prompt_lookup=0.5) == plain_eager
 
 
 def test_logprobs_take_the_eager_path_unchanged():
@@ -86,6 +90,15 @@ def test_prompt_lookup_drafts_the_same_in_graphs():
     assert _run(DRAFTER, graphs=True, max_batch_size=2, prompt_lookup=0.8, questions=questions) == eager
 
 
+def test_draft_tree_drafts_the_same_in_graphs():
+    """The same for the draft tree: siblings proposed, verified and taken alike in graphs and eager,
+    and they are taken (more drafts accepted than by the chain)."""
+    chain = _run(DRAFTER, graphs=True, max_batch_size=2)
+    eager = _run(DRAFTER, graphs=False, max_batch_size=2, siblings=2)
+    assert _run(DRAFTER, graphs=True, max_batch_size=2, siblings=2) == eager
+    assert eager[0] == chain[0] and eager[1] > chain[1]
+
+
 def test_no_host_sync_inside_steps():
     plain = _generate("none", graphs=True, max_tokens=16)
     assert _generate(DRAFTER, graphs=True, check_sync=True, max_tokens=16) == plain
@@ -93,6 +106,7 @@ def test_no_host_sync_inside_steps():
     assert _generate(DRAFTER, graphs=True, check_sync=True, max_tokens=16, graph_first_draft=True) == plain
     assert _generate(DRAFTER, graphs=False, check_sync=True, max_tokens=16, prompt_lookup=0.5) == plain
     assert _generate(DRAFTER, graphs=True, check_sync=True, max_tokens=16, prompt_lookup=0.5) == plain
+    assert _generate(DRAFTER, graphs=True, check_sync=True, max_tokens=16, siblings=1) == plain
 
 
 def test_gqa_attention_equals_folded_under_cudnn():
@@ -125,7 +139,7 @@ def test_gqa_attention_equals_folded_under_cudnn():
 if __name__ == "__main__":
     results = {}
     for test in (test_graphs_equal_eager_and_spec_equals_plain, test_logprobs_take_the_eager_path_unchanged,
-                 test_prompt_lookup_drafts_the_same_in_graphs,
+                 test_prompt_lookup_drafts_the_same_in_graphs, test_draft_tree_drafts_the_same_in_graphs,
                  test_no_host_sync_inside_steps, test_gqa_attention_equals_folded_under_cudnn):
         try:
             test()

@@ -276,11 +276,16 @@ def test_greedy_smollm2_trained_drafter(smollm2_prompts, smollm2_greedy_64, smol
     if not (trained / "config.json").is_file():
         pytest.skip("no trained drafter at speculative/drafters/smollm2-135m yet")
     from conftest import _smollm2
-    engine = _smollm2("default", num_draft_tokens=3, max_batch_size=8)
-    requests = run_to_completion(engine, smollm2_prompts[:8], SamplingParams(max_tokens=64), [0, 0, 0, 1, 2, 4, 8, 12])
-    for prompt, r, ref in zip(smollm2_prompts, requests, smollm2_greedy_64):
-        smollm2_near_tie(prompt, r.output_ids, ref)
-    assert engine.scheduler.stats.num_draft_accepted > 0
+    tokens_per_step = []
+    for siblings in (0, 1):  # the chain, then the draft tree: still exact, and more tokens per target pass
+        engine = _smollm2("default", num_draft_tokens=3, max_batch_size=8, draft_siblings=siblings)
+        requests = run_to_completion(engine, smollm2_prompts[:8], SamplingParams(max_tokens=64),
+                                     [0, 0, 0, 1, 2, 4, 8, 12])
+        for prompt, r, ref in zip(smollm2_prompts, requests, smollm2_greedy_64):
+            smollm2_near_tie(prompt, r.output_ids, ref)
+        stats = engine.scheduler.stats
+        tokens_per_step.append(1 + stats.num_draft_accepted / stats.num_verify_rows)
+    assert 1.5 < tokens_per_step[0] < tokens_per_step[1] - 0.1, tokens_per_step
 
 
 # ---- sampling: the distribution of the first three tokens ----

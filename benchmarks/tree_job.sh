@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The draft tree on the H200 (session 13). PARTS picks (default all), each in its own device call:
+#   checks      tests/test_gpu.py (graphs equal eager with the tree, no host sync)
+#   acceptance  acceptance length, K=3 and 5, greedy and T=0.7, siblings 0 (the chain), 1 and 2,
+#               on every set (needs .device/data carried)
+#   speed       bench: plain, EAGLE-3 K=3 and K=5 with siblings 0 and 1, batch 1, 8, 32, graphs, overlap
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh"
+PARTS=" ${PARTS:-checks acceptance speed} "
+if [[ "$PARTS" == *" checks "* ]]; then
+    EAGLESERVE_GPU_MODEL=$M EAGLESERVE_GPU_DRAFTER=$D timeout 400 python3 tests/test_gpu.py 2>&1 | quiet 12
+fi
+if [[ "$PARTS" == *" acceptance "* ]]; then
+    timeout 500 python3 benchmarks/acceptance.py --model $M --drafter $D --k 3 5 --temperatures 0 0.7 \
+        --siblings 0 1 2 --max-batch-size 128 --data-root .device/data --device cuda \
+        --output $OUT/acceptance_tree.json 2>&1 | grep -v '^{' | quiet 16
+fi
+if [[ "$PARTS" == *" speed "* ]]; then
+    timeout 560 python3 -m deployments.cli bench --model $M --drafter $D --dataset $DATA --output-len 256 \
+        --num-prompts 32 --batch 1,8,32 -k 3,5 --draft-siblings 0,1 --overlap on --cuda-graphs on \
+        -o $OUT/bench_tree.json 2>&1 | quiet 16
+fi
