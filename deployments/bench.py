@@ -153,7 +153,8 @@ def run_load(coordinator, prompts: list[list[int]], params: SamplingParams, conc
 def bench(model: str, drafter: str, ks: list[int], modes: list[str], graphs: list[bool], overlaps: list[bool],
           batches: list[int], prompts_text: list[str], output_len: int, ignore_eos: bool, device: str,
           max_model_len: int, prompts_per_batch: int, graph_first_draft: bool = False,
-          prompt_lookup: float = 0.0, logprobs: int | None = None, siblings: list[int] = (0,)) -> list[dict]:
+          prompt_lookup: float = 0.0, logprobs: int | None = None, siblings: list[int] = (0,),
+          temperature: float = 0.0) -> list[dict]:
     from speculative.coordinator import Coordinator
     from speculative.engine import encode_prompt
     from workers.loader import load_tokenizer, resolve_model
@@ -161,7 +162,7 @@ def bench(model: str, drafter: str, ks: list[int], modes: list[str], graphs: lis
     if tokenizer is None:
         raise ValueError(f"model {model!r} has no tokenizer to encode the benchmark's prompts")
     prompts = [encode_prompt(tokenizer, p) for p in prompts_text]
-    params = SamplingParams(max_tokens=output_len, ignore_eos=ignore_eos, logprobs=logprobs)
+    params = SamplingParams(max_tokens=output_len, ignore_eos=ignore_eos, logprobs=logprobs, temperature=temperature)
     engines = [(m, k, s, g) for m in modes for k in (ks if m == "eagle" else [0])
                for s in (siblings if m == "eagle" else [0]) for g in graphs]
     runs = []
@@ -184,7 +185,7 @@ def bench(model: str, drafter: str, ks: list[int], modes: list[str], graphs: lis
                                   measure_gpu=device != "cpu")
                 runs.append({"mode": mode, "k": k, "siblings": num_siblings, "cuda_graphs": use_graphs, "overlap": overlap, "batch": batch,
                              "graph_first_draft": graph_first_draft and use_graphs and mode == "eagle",
-                             "prompt_lookup": cfg.prompt_lookup, "logprobs": logprobs,
+                             "prompt_lookup": cfg.prompt_lookup, "logprobs": logprobs, "temperature": temperature,
                              "startup_s": startup_s, **result})
                 bar.update()
         finally:

@@ -197,7 +197,7 @@ def cmd_bench(args) -> None:
         runs = bench.bench(args.model, args.drafter, ks, modes, on[args.cuda_graphs], on[args.overlap], batches, prompts,
                            args.output_len, args.ignore_eos, args.device, args.max_model_len, args.num_prompts,
                            graph_first_draft=args.graph_first_draft, prompt_lookup=args.prompt_lookup,
-                           logprobs=args.logprobs, siblings=siblings)
+                           logprobs=args.logprobs, siblings=siblings, temperature=args.temperature)
     finally:
         ray.shutdown()
     bench.print_table(runs)
@@ -302,6 +302,8 @@ def main(argv=None) -> None:
                    "below drafter probability P (0: off)")
     b.add_argument("--draft-siblings", default="0", metavar="M", help="comma-separated siblings per draft depth "
                    "for the EAGLE-3 runs (0: a chain)")
+    b.add_argument("--temperature", type=float, default=0.0, help="of every request (0: greedy; sampled steps "
+                   "run eager)")
     b.add_argument("--logprobs", type=int, default=None, metavar="N", help="every request asks for its tokens' "
                    "log-probabilities and N top ones (what that costs: such steps run eager)")
     b.add_argument("--output-len", type=int, default=256)

@@ -78,20 +78,21 @@ def test_bad_input_exits_with_a_message(tmp_path, case, content, args, message):
 
 
 def test_bench_writes_table_and_json(tmp_path):
-    """`eagleserve bench` on CPU through the Ray path: one row per (mode, overlap, batch), tokens from
-    both engines, speculative rows that accept drafts, a plot; no NVML figure without a GPU."""
+    """`eagleserve bench` on CPU through the Ray path: one row per (mode, siblings, overlap, batch),
+    tokens from both engines, speculative rows that accept drafts, a plot; no NVML figure without a GPU."""
     out = tmp_path / "bench.json"
     proc = eagleserve("bench", "--device", "cpu", "--dataset", DATA / "gsm8k" / "test.jsonl", "--batch", "1,2",
                       "-k", 2, "--overlap", "both", "--num-prompts", 2, "--output-len", 8, "--max-model-len", 512,
-                      "--logprobs", 1, "-o", out)
+                      "--logprobs", 1, "--temperature", 0.5, "--draft-siblings", "0,1", "-o", out)
     assert proc.returncode == 0, proc.stderr[-2000:]
     runs = json.loads(out.read_text())["runs"]
-    assert sorted((r["mode"], r["overlap"], r["batch"]) for r in runs) == [
-        ("eagle", False, 1), ("eagle", False, 2), ("eagle", True, 1), ("eagle", True, 2),
-        ("plain", True, 1), ("plain", True, 2)]
+    assert sorted((r["mode"], r["siblings"], r["overlap"], r["batch"]) for r in runs) == [
+        ("eagle", 0, False, 1), ("eagle", 0, False, 2), ("eagle", 0, True, 1), ("eagle", 0, True, 2),
+        ("eagle", 1, False, 1), ("eagle", 1, False, 2), ("eagle", 1, True, 1), ("eagle", 1, True, 2),
+        ("plain", 0, True, 1), ("plain", 0, True, 2)]
     for r in runs:
         assert r["output_tokens"] > 0 and r["output_tokens_per_s"] > 0 and r["nvml_busy_fraction"] is None
-        assert r["logprobs"] == 1
+        assert r["logprobs"] == 1 and r["temperature"] == 0.5
         assert (r["mean_acceptance_length"] > 1) == (r["mode"] == "eagle")
     assert "tok/s" in proc.stdout and out.with_suffix(".png").is_file()
 
@@ -100,7 +101,8 @@ def test_bench_writes_table_and_json(tmp_path):
     (["--modes", "spec"], "--modes holds plain and/or eagle"),
     (["-k", "0"], "-k and --batch values must be >= 1"),
     (["--batch", "0,2"], "-k and --batch values must be >= 1"),
-    (["--batch", "two"], "-k and --batch take integers"),
+    (["--batch", "two"], "-k, --batch and --draft-siblings take integers"),
+    (["--draft-siblings", "-1"], "--draft-siblings >= 0"),
 ])
 def test_bench_refuses_bad_arguments(args, message):
     proc = eagleserve("bench", "--device", "cpu", *args, timeout=120)
