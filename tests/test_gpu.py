@@ -82,6 +82,23 @@ def test_logprobs_take_the_eager_path_unchanged():
         assert all(top[0] == (t, lp) for t, (lp, top) in zip(r.output_ids, got))
 
 
+def test_sampled_steps_replay_the_target_pass_graph():
+    """Sampled steps (eager verification) replay the target pass's graph: seeded requests give the
+    tokens they give with graphs off, plain and speculative, chain and tree, and the pass graphs exist."""
+    for drafter, siblings in (("none", 0), (DRAFTER, 0), (DRAFTER, 1)):
+        outputs = []
+        for graphs in (False, True):
+            engine = LLMEngine(EngineConfig(model=MODEL, drafter=drafter, num_draft_tokens=3, max_batch_size=8,
+                                            max_model_len=512, device="cuda", dtype="float32", cuda_graphs=graphs,
+                                            draft_siblings=siblings))
+            engine.executor.check_host_sync = True
+            assert (engine.executor.pass_graphs is not None) == graphs
+            prompts = [encode_prompt(engine.tokenizer, q) for q in QUESTIONS]
+            params = [SamplingParams(max_tokens=48, temperature=0.8, top_p=0.95, seed=i) for i in range(len(prompts))]
+            outputs.append([r.output_ids for r in engine.generate(prompts, params)])
+        assert outputs[0] == outputs[1], (drafter, siblings)
+
+
 def test_prompt_lookup_drafts_the_same_in_graphs():
     """Greedy output cannot show the drafts; the number of accepted drafts can. With prompt lookup
     on, its token history is written and read inside the graphs: graphs and eager must draft alike."""
@@ -139,7 +156,8 @@ def test_gqa_attention_equals_folded_under_cudnn():
 if __name__ == "__main__":
     results = {}
     for test in (test_graphs_equal_eager_and_spec_equals_plain, test_logprobs_take_the_eager_path_unchanged,
-                 test_prompt_lookup_drafts_the_same_in_graphs, test_draft_tree_drafts_the_same_in_graphs,
+                 test_sampled_steps_replay_the_target_pass_graph, test_prompt_lookup_drafts_the_same_in_graphs,
+                 test_draft_tree_drafts_the_same_in_graphs,
                  test_no_host_sync_inside_steps, test_gqa_attention_equals_folded_under_cudnn):
         try:
             test()

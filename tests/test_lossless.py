@@ -231,16 +231,20 @@ def test_drafter_kv_cache_matches_fresh_prefill(tiny_dir, tiny_drafter_dir, prom
 
 
 class EagerGraphs:
-    """Stands in for StepGraphs on CPU: runs the function a graph would capture, eagerly."""
+    """Stands in for StepGraphs on CPU: runs the function a graph would capture, eagerly, on the
+    batch padded with the dummy slot to twice its rows as a graph's bucket pads it, and returns the
+    real rows."""
 
-    def __init__(self, fn):
-        self.fn = fn
+    def __init__(self, fn, dummy_slot: int):
+        self.fn, self.dummy_slot, self.calls = fn, dummy_slot, 0
 
     def fits(self, batch: int, length: int) -> bool:
         return True
 
-    def __call__(self, slots, *values, kv_len: int):
-        return self.fn(slots, *values, kv_len=kv_len)
+    def __call__(self, slots, kv_len: int):
+        self.calls += 1
+        padded = torch.cat([slots, torch.full_like(slots, self.dummy_slot)])
+        return tuple(o[:slots.shape[0]] for o in self.fn(padded, kv_len=kv_len))
 
 
 @pytest.mark.parametrize("k, siblings", [(1, 0), (3, 0), (3, 2)])
@@ -250,10 +254,30 @@ def test_whole_decode_step_function(tiny_dir, tiny_drafter_dir, prompts, plain_r
     rejected drafts and steps that mix prefills (drafted apart) with decodes."""
     engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=k, max_batch_size=4, overlap=False, graph_first_draft=True,
                          draft_siblings=siblings)
-    engine.executor.verify_graphs = EagerGraphs(engine.executor._decode_step)
+    engine.executor.verify_graphs = EagerGraphs(engine.executor._decode_step, engine.executor.resources.dummy_slot)
     fresh = ModelRunner(engine.cfg)
     requests = run_with_oracle(engine, prompts[:4], plain_ref[:4], JOINS[:4], corrupt_p=0.3, check_against=fresh)
     assert [r.output_ids for r in requests] == plain_ref[:4]
+
+
+@pytest.mark.parametrize("siblings", [None, 0, 2])
+def test_eager_verification_after_the_graphed_target_pass(tiny_dir, tiny_drafter_dir, prompts, siblings):
+    """Steps that verify eagerly (sampled, logprobs, penalties, logit_bias) replay the target pass's
+    graph where one fits and run only the verification eager: the same tokens as all-eager steps,
+    with the pass's batch padded as a graph pads it. (None: plain decoding.)"""
+    params = [SamplingParams(temperature=0.9, seed=i, max_tokens=20, ignore_eos=True, logprobs=2 if i % 2 else None,
+                             frequency_penalty=0.4 * (i % 3), logit_bias={5: 1.5} if i == 3 else {})
+              for i in range(len(prompts))]
+    drafter = "none" if siblings is None else tiny_drafter_dir
+    outputs = []
+    for graphed in (False, True):
+        engine = tiny_engine(tiny_dir, drafter, k=3, max_batch_size=4, draft_siblings=siblings or 0)
+        runner = engine.executor
+        if graphed:
+            runner.pass_graphs = EagerGraphs(runner._target_pass, runner.resources.dummy_slot)
+        outputs.append([r.output_ids for r in run_to_completion(engine, prompts, params, JOINS)])
+    assert outputs[0] == outputs[1]
+    assert runner.pass_graphs.calls > 10
 
 
 # ---- greedy, real SmolLM2 ----

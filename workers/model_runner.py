@@ -73,7 +73,7 @@ class ModelRunner:
         log.info("rank %d: loaded %s (drafter %s) in %.1f s", self.rank, cfg.model, cfg.drafter,
                  time.perf_counter() - start)
         self._allocate()
-        self.verify_graphs = self.chain_graphs = self.prefill_graphs = None
+        self.verify_graphs = self.pass_graphs = self.chain_graphs = self.prefill_graphs = None
         self.graph_pool_bytes = 0
         if cfg.cuda_graphs and self.device.type == "cuda":
             with torch.inference_mode():
@@ -321,23 +321,39 @@ class ModelRunner:
         self._draft_steps(slots, first_draft, base + emitted - 1, kv_len)
         return tokens, emitted, base, path
 
+    def _target_pass(self, slots: torch.Tensor, kv_len: int):
+        """The target's forward over each row's draft tree (the pending token, the drafts, their
+        siblings), writing its K/V and the drafter's features. -> final hidden states [B, T, H], the
+        tree's tokens [B, T], the position of the pending token before the step [B]. Also captured
+        on its own, for the steps whose verification runs eager (sampling, logprobs, penalties, bias)."""
+        K, M, B = self.K, self.M, slots.shape[0]
+        base = self.num_computed[slots]                                        # [B]
+        drafts = [self.drafts[slots, :K]] + ([self.siblings[slots, :, :K].flatten(1)] if M else [])
+        ids = torch.cat([self.last_token[slots].unsqueeze(1)] + drafts, dim=1)  # [B, T]
+        valid = torch.ones_like(ids, dtype=torch.bool)
+        if M:
+            batch = self._batch(slots, base.unsqueeze(1) + self.node_depth, valid, kv_len,
+                                rows=base.unsqueeze(1) + torch.arange(self.T, device=self.device), tree=self.tree_sees)
+        else:
+            batch = self._batch(slots, base.unsqueeze(1) + torch.arange(K + 1, device=self.device), valid, kv_len)
+        hidden, _ = self.target(ids, batch, self.resources.feature_view(B, self.T) if self.drafter else None)
+        return hidden, ids, base
+
     def _verify_target(self, slots: torch.Tensor, kv_len: int, plan: StepPlan | None = None):
-        """Target forward over the draft tree per row (the pending token, the drafts, their siblings),
-        verification and the slot-state update. Greedy when `plan` is None (the CUDA-graphed form).
-        -> tokens [B, K+1], num_emitted [B], position of the pending token before the step [B], and
-        the node whose logits chose each token [B, K+1]."""
+        """The target pass, verification and the slot-state update. Greedy when `plan` is None (the
+        CUDA-graphed form); with a plan, the pass alone replays its graph where one fits. -> tokens
+        [B, K+1], num_emitted [B], position of the pending token before the step [B], and the node
+        whose logits chose each token [B, K+1]."""
         K, M, B = self.K, self.M, slots.shape[0]
         rows = torch.arange(B, device=self.device)
-        base = self.num_computed[slots]                                        # [B]
+        graphs = self.pass_graphs if plan is not None and self.pass_graphs is not None else None
+        if graphs is not None and graphs.fits(B, kv_len):
+            hidden, ids, base = graphs(slots, kv_len=kv_len)
+        else:
+            hidden, ids, base = self._target_pass(slots, kv_len)
+        drafts = ids[:, 1:K + 1]                                              # [B, K]
+        siblings = ids[:, K + 1:].reshape(B, M, K) if M else None             # [B, M, K]
         chain = base.unsqueeze(1) + torch.arange(K + 1, device=self.device)    # [B, K+1] the chain's positions
-        drafts = self.drafts[slots, :K]                                       # [B, K]
-        siblings = self.siblings[slots, :, :K] if M else None                 # [B, M, K]
-        ids = torch.cat([self.last_token[slots].unsqueeze(1), drafts] + ([siblings.flatten(1)] if M else []), dim=1)
-        valid = torch.ones_like(ids, dtype=torch.bool)
-        batch = self._batch(slots, chain, valid, kv_len) if not M else self._batch(
-            slots, base.unsqueeze(1) + self.node_depth, valid, kv_len,
-            rows=base.unsqueeze(1) + torch.arange(self.T, device=self.device), tree=self.tree_sees)
-        hidden, _ = self.target(ids, batch, self.resources.feature_view(B, self.T) if self.drafter else None)
         logits = raw_logits = self.target.logits(hidden)                      # [B, T, V]
         if plan is not None:
             logits = self._bias_and_penalise(plan, logits, slots, ids)
@@ -447,9 +463,11 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         """CUDA graphs for greedy prefill of up to PREFILL_GRAPH_TOKENS tokens (longer prefills
-        amortise their launches), the greedy verify pass (plain decode when K=0) and draft steps
-        2..K. They share one memory pool, which is safe only when they replay in the order they
-        were captured: a step runs prefill, then verify, then the draft chain."""
+        amortise their launches), the greedy verify pass (plain decode when K=0), the target pass
+        alone (the other steps' verify) and draft steps 2..K. They share one memory pool, which is
+        safe only when they replay in the order they were captured: a step runs prefill, then verify
+        or the target pass (whose output the eager verification reads before anything else replays),
+        then the draft chain."""
         from workers.cuda_graphs import GraphInput, StepGraphs, kv_buckets
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0]
@@ -462,7 +480,9 @@ class ModelRunner:
         whole_step = self.cfg.graph_first_draft and self.drafter is not None
         verify = self._decode_step if whole_step else self._verify_target
         self.verify_graphs = StepGraphs(verify, slots, kv_buckets(self.cache_len), dummy, [], dev)
-        graphs = [self.prefill_graphs, self.verify_graphs]
+        # the target pass alone, for steps whose verification runs eager: replayed instead of the verify graph
+        self.pass_graphs = StepGraphs(self._target_pass, slots, kv_buckets(self.cache_len), dummy, [], dev)
+        graphs = [self.prefill_graphs, self.verify_graphs, self.pass_graphs]
         if self.drafter is not None and self.K > 1:
             self.chain_graphs = StepGraphs(self._draft_steps, slots, kv_buckets(self.cache_len), dummy,
                                            [GraphInput(torch.long), GraphInput(torch.long)], dev)
