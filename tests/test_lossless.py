@@ -567,21 +567,23 @@ def test_sampled_distribution_with_prompt_lookup(v16_dirs):
     assert sum(checked) > NUM_SAMPLES
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_greedy_prompt_lookup_joining_batch(tiny_dir, tiny_drafter_dir, prompts, plain_ref, k):
+@pytest.mark.parametrize("k, siblings", [(1, 0), (3, 0), (3, 1)])
+def test_greedy_prompt_lookup_joining_batch(tiny_dir, tiny_drafter_dir, prompts, plain_ref, k, siblings):
     """Drafts taken from earlier in the request change what is verified, never what is emitted."""
-    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=k, max_batch_size=4, prompt_lookup=1.0)
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=k, max_batch_size=4, prompt_lookup=1.0, draft_siblings=siblings)
     requests = run_to_completion(engine, prompts, GREEDY, JOINS)
     assert [r.output_ids for r in requests] == plain_ref
 
 
-def test_prompt_lookup_drafts_follow_the_request(tiny_dir, tiny_drafter_dir, prompts):
+@pytest.mark.parametrize("siblings", [0, 1])
+def test_prompt_lookup_drafts_follow_the_request(tiny_dir, tiny_drafter_dir, prompts, siblings):
     """After every step, each draft in the chain is the token that followed the latest earlier
     occurrence of the five tokens before it (prompt, emitted tokens, the chain's own earlier drafts)
     wherever there is one: what the slot's token history must hold, through prefill, verification,
-    rejected drafts and slots reused by joining requests."""
+    rejected drafts, tokens emitted through a sibling and slots reused by joining requests."""
     K = 3
-    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=K, max_batch_size=3, prompt_lookup=1.0, overlap=False)
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=K, max_batch_size=3, prompt_lookup=1.0, overlap=False,
+                         draft_siblings=siblings)
     # repeated spans, so that lookups find something in the prompt as well as in the output (where
     # the random target's greedy output falls into loops, more of them the longer it runs)
     long_greedy = GREEDY.model_copy(update={"max_tokens": 120})
