@@ -111,11 +111,10 @@ class Eagle3Drafter(nn.Module):
         """Pre-norm output [..., H] -> the drafter's `num` likeliest tokens, likeliest first, in the
         target vocabulary [..., num]."""
         logits = self.lm_head(self.norm(hidden))
-        draft_ids = [logits.argmax(-1, keepdim=True)]
+        draft_ids = logits.argmax(-1, keepdim=True)
         for _ in range(num - 1):  # not topk: on the GPU its radix select is a dozen kernels, this is three a token
-            logits = logits.scatter(-1, draft_ids[-1], float("-inf"))
-            draft_ids.append(logits.argmax(-1, keepdim=True))
-        draft_ids = torch.cat(draft_ids, -1)
+            logits = logits.scatter(-1, draft_ids[..., -1:], float("-inf"))
+            draft_ids = torch.cat([draft_ids, logits.argmax(-1, keepdim=True)], -1)
         return draft_ids + self.d2t[draft_ids]
 
     def propose_scored(self, hidden: torch.Tensor, num: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -439,8 +439,6 @@ class ModelRunner:
         chain. With prompt lookup, the looked-up token where the drafter's own is less likely than
         `cfg.prompt_lookup`, recorded at q+2 so that the chain's next lookups see it. With a draft
         tree, the drafter's next M choices become the depth's siblings."""
-        if self.history is None and not self.M:
-            return self.drafter.propose(h)[:, 0]
         if self.history is None:
             top = self.drafter.propose(h, self.M + 1)                          # [B, M+1]
             draft, others = top[:, 0], top[:, 1:]
