@@ -27,15 +27,14 @@ def prompts_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def outputs(prompts_file):
-    """Default drafter (speculative) and --drafter none, same prompts, greedy."""
+    """Default drafter (speculative), the same with a draft tree, and --drafter none, same prompts, greedy."""
     out = {}
-    for drafter in ("default", "none"):
-        path = prompts_file.with_name(f"out-{drafter}.jsonl")
-        proc = eagleserve("generate", prompts_file, "-o", path, "--drafter", drafter, "--max-tokens", 12,
-                          "--max-model-len", 512)
+    for name, flags in (("default", []), ("tree", ["--draft-siblings", 2]), ("none", ["--drafter", "none"])):
+        path = prompts_file.with_name(f"out-{name}.jsonl")
+        proc = eagleserve("generate", prompts_file, "-o", path, "--max-tokens", 12, "--max-model-len", 512, *flags)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "wrote 4 rows" in proc.stderr
-        out[drafter] = [json.loads(line) for line in path.read_text().splitlines()]
+        out[name] = [json.loads(line) for line in path.read_text().splitlines()]
     return out
 
 
@@ -50,8 +49,9 @@ def test_generate_writes_rows(outputs):
 
 def test_drafter_none_is_plain_and_identical(outputs):
     assert all(r["acceptance_length"] == 1.0 for r in outputs["none"])
-    assert [r["token_ids"] for r in outputs["none"]] == [r["token_ids"] for r in outputs["default"]]
-    assert [r["text"] for r in outputs["none"]] == [r["text"] for r in outputs["default"]]
+    for name in ("default", "tree"):
+        assert [r["token_ids"] for r in outputs["none"]] == [r["token_ids"] for r in outputs[name]]
+        assert [r["text"] for r in outputs["none"]] == [r["text"] for r in outputs[name]]
 
 
 @pytest.mark.parametrize("case, content, args, message", [
