@@ -95,6 +95,7 @@ class _SamplingRequest(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # vLLM's extension
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Strict()]] | None = Field(None, max_length=64)
     logit_bias: dict[str, LogitBiasValue] | None = Field(None, max_length=MAX_LOGIT_BIAS)
@@ -140,6 +141,7 @@ class _SamplingRequest(BaseModel):
                               stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
                               logprobs=self.num_logprobs(), prompt_logprobs=self.num_prompt_logprobs(),
                               frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+                              repetition_penalty=self.repetition_penalty,
                               logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()})
 
 

@@ -24,6 +24,9 @@ class SamplingParams(BaseModel):
     # OpenAI's: logits -= frequency_penalty * count + presence_penalty * (count > 0), over the output so far
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # vLLM's (and Hugging Face's): the logits of tokens in the prompt or the output so far are divided
+    # by it where positive, multiplied where negative; before the two above. 1: off
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     # OpenAI's: added to the logits of these token ids
     logit_bias: dict[int, LogitBiasValue] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
     prior_output_tokens: int = Field(0, ge=0)  # the prompt ends with this request's earlier output (resumed)

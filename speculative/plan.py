@@ -19,6 +19,7 @@ class PrefillRow:
     presence_penalty: float = 0.0
     prior_output_tokens: int = 0  # the prompt's last tokens that count as output (a resumed request)
     logit_bias: dict[int, float] = field(default_factory=dict)
+    repetition_penalty: float = 1.0
 
 
 @dataclass
@@ -32,7 +33,7 @@ class StepPlan:
     use_top_k_top_p: bool = False
     use_min_p: bool = False
     num_logprobs: int | None = None  # some row wants log-probabilities, with this many top tokens at most
-    use_penalties: bool = False      # some row has a frequency or presence penalty
+    use_penalties: bool = False      # some row has a frequency, presence or repetition penalty
     use_logit_bias: bool = False     # some row has a logit_bias
     num_prompt_logprobs: int | None = None  # some prefill wants its prompt's log-probabilities
 

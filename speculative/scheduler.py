@@ -191,7 +191,7 @@ class Scheduler:
             step_id=step_id,
             prefills=[PrefillRow(r.slot, r.prompt_ids, r.seed, r.params.temperature, r.params.top_p, r.params.top_k,
                                  r.params.min_p, r.params.frequency_penalty, r.params.presence_penalty,
-                                 r.params.prior_output_tokens, r.params.logit_bias)
+                                 r.params.prior_output_tokens, r.params.logit_bias, r.params.repetition_penalty)
                       for r in prefills],
             decode_slots=[r.slot for r in decodes],
             free_slots=self.slots_to_release,
@@ -200,7 +200,8 @@ class Scheduler:
             use_top_k_top_p=any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows),
             use_min_p=any(r.params.min_p > 0 for r in rows),
             num_logprobs=max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None),
-            use_penalties=any(r.params.frequency_penalty or r.params.presence_penalty for r in rows),
+            use_penalties=any(r.params.frequency_penalty or r.params.presence_penalty or r.params.repetition_penalty != 1
+                              for r in rows),
             use_logit_bias=any(r.params.logit_bias for r in rows),
             num_prompt_logprobs=max((r.params.prompt_logprobs for r in prefills if r.params.prompt_logprobs is not None),
                                     default=None))

@@ -61,10 +61,14 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, frequency: torch.Tensor,
-                    presence: torch.Tensor) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
+                    repetition: torch.Tensor, in_prompt: torch.Tensor) -> torch.Tensor:
     """logits [B, T, V], counts [B, T, V] of each token in the output before each position, per-row
-    penalties [B] -> OpenAI's penalised logits."""
+    penalties [B], in_prompt [B, V] -> the penalised logits: vLLM's repetition penalty over the tokens
+    of the prompt and the output, then OpenAI's frequency and presence penalties over the output."""
+    seen = (counts > 0) | in_prompt.unsqueeze(1)
+    r = torch.where(seen, repetition.view(-1, 1, 1), 1.0)
+    logits = torch.where(logits > 0, logits / r, logits * r)
     return logits - frequency.view(-1, 1, 1) * counts - presence.view(-1, 1, 1) * (counts > 0)
 
 

@@ -173,12 +173,16 @@ def test_logprobs_are_the_targets_own(tiny_dir, tiny_drafter_dir, prompts, plain
                                        top.values, rtol=1e-4, atol=1e-4)
 
 
-def biased(logits: torch.Tensor, out: list[int], params: SamplingParams) -> torch.Tensor:
-    """OpenAI's logit_bias and penalties on next-token logits [..., V] after the output `out`."""
+def biased(logits: torch.Tensor, prompt: list[int], out: list[int], params: SamplingParams) -> torch.Tensor:
+    """OpenAI's logit_bias, vLLM's repetition penalty (over prompt and output) and OpenAI's
+    frequency and presence penalties (over the output) on next-token logits [V] after `out`."""
     counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[-1]).float()
     bias = torch.zeros(logits.shape[-1])
     bias[list(params.logit_bias)] = torch.tensor(list(params.logit_bias.values()))
-    return logits + bias - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+    logits = logits + bias
+    for t in set(prompt) | set(out):
+        logits[t] = logits[t] / params.repetition_penalty if logits[t] > 0 else logits[t] * params.repetition_penalty
+    return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
 
 
 def penalised_greedy(model_dir, prompt: list[int], params: SamplingParams) -> list[int]:
@@ -189,22 +193,24 @@ def penalised_greedy(model_dir, prompt: list[int], params: SamplingParams) -> li
     for _ in range(params.max_tokens):
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + out])).logits[0, -1]
-        out.append(int(biased(logits, out, params).argmax()))
+        out.append(int(biased(logits, prompt, out, params).argmax()))
     return out
 
 
 def test_penalties_and_logit_bias_greedy_equal_the_reference(tiny_dir, tiny_drafter_dir, prompts):
-    """Frequency and presence penalties and logit_bias change greedy output as OpenAI defines them,
-    and speculative decoding keeps it exact: the verify pass penalises position j for drafts 1..j as
-    if accepted (oracle drafts, accepted at every depth), in a batch with requests without them. A
-    request resumed after any token (prompt + those tokens) counts them as output."""
+    """Frequency, presence and repetition penalties and logit_bias change greedy output as OpenAI
+    (vLLM, for repetition) defines them, and speculative decoding keeps it exact: the verify pass
+    penalises position j for drafts 1..j as if accepted (oracle drafts, accepted at every depth), in
+    a batch with requests without them. A request resumed after any token (prompt + those tokens)
+    counts them as output."""
     params = [GREEDY.model_copy(update={"max_tokens": 24, "frequency_penalty": f, "presence_penalty": p,
-                                        "logit_bias": b})
-              for f, p, b in [(0.8, 0.0, {}), (0.0, 0.0, {}), (0.0, 1.5, {}), (0.5, 0.5, {7: 2.5, 30: -100.0}),
-                              (-0.5, 0.0, {}), (1.2, -0.3, {}), (0.0, 0.0, {3: 4.0, 11: -1.0, 63: 1.5})]]
+                                        "logit_bias": b, "repetition_penalty": r})
+              for f, p, b, r in [(0.8, 0.0, {}, 1.0), (0.0, 0.0, {}, 1.0), (0.0, 1.5, {}, 1.3),
+                                 (0.5, 0.5, {7: 2.5, 30: -100.0}, 1.0), (-0.5, 0.0, {}, 0.8), (0.0, 0.0, {}, 1.8),
+                                 (0.0, 0.0, {3: 4.0, 11: -1.0, 63: 1.5}, 1.0)]]
     refs = [penalised_greedy(tiny_dir, prompt, p) for prompt, p in zip(prompts, params)]
-    plain = [penalised_greedy(tiny_dir, prompt, params[1]) for prompt in (prompts[0], prompts[6])]
-    assert refs[0] != plain[0] and refs[6] != plain[1]  # the penalty and the bias are felt
+    plain = [penalised_greedy(tiny_dir, prompt, params[1]) for prompt in (prompts[0], prompts[5], prompts[6])]
+    assert refs[0] != plain[0] and refs[5] != plain[1] and refs[6] != plain[2]  # the penalties and the bias are felt
     engine = tiny_engine(tiny_dir, max_batch_size=4)
     assert [r.output_ids for r in run_to_completion(engine, prompts, params, JOINS)] == refs
     for t in range(1, 24):
@@ -365,7 +371,7 @@ def exact_joint(model_dir, params: SamplingParams, prompt=PROMPT):
     def next_probs(prefixes):
         ids = torch.tensor([prompt + p for p in prefixes])
         with torch.no_grad():
-            logits = torch.stack([biased(row, p, params) for row, p in zip(hf(ids).logits[:, -1], prefixes)])
+            logits = torch.stack([biased(row, prompt, p, params) for row, p in zip(hf(ids).logits[:, -1], prefixes)])
             return reference_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)
 
     p1 = next_probs([[]])[0]                                                        # [V]
@@ -436,7 +442,8 @@ SAMPLING = {"t1": SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
             "t1-minp0.2-topp0.9": SamplingParams(temperature=1.0, min_p=0.2, top_p=0.9, max_tokens=3, ignore_eos=True),
             # repeats made likely, so that the penalties are felt often
             "t1-penalties-bias": SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, frequency_penalty=-1.5,
-                                                presence_penalty=-1.0, logit_bias={2: 1.5, 9: -2.0})}
+                                                presence_penalty=-1.0, repetition_penalty=0.7,
+                                                logit_bias={2: 1.5, 9: -2.0})}
 
 
 def _engine(dirs, drafter: bool, k: int, prompt_lookup: float = 0.0, siblings: int = 0):

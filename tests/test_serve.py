@@ -214,11 +214,14 @@ def test_tokenize_detokenize_and_stop_token_ids(base_url, client, alone):
 
 
 def test_sampling_options_reach_the_engine(client, base_url, alone):
-    """A frequency penalty changes a greedy answer that repeats tokens, a logit_bias of -100 on its
-    first token changes how it begins, and min_p 1 makes sampling greedy (exactness: test_lossless)."""
+    """A frequency or repetition penalty changes a greedy answer that repeats tokens, a logit_bias of
+    -100 on its first token changes how it begins, and min_p 1 makes sampling greedy (exactness:
+    test_lossless)."""
     question = "Count to five."
     penalised = chat(client, question, max_tokens=24, frequency_penalty=2.0).choices[0].message.content
     assert penalised and penalised != alone[question]
+    repeats = chat(client, question, max_tokens=24, extra_body={"repetition_penalty": 3.0}).choices[0].message.content
+    assert repeats and repeats != alone[question]
     assert chat(client, question, frequency_penalty=0.0).choices[0].message.content == alone[question]
     first = _post(base_url, "/tokenize", json.dumps({"model": MODEL, "prompt": alone[question]})).json()["tokens"][0]
     banned = chat(client, question, logit_bias={str(first): -100}).choices[0].message.content
@@ -249,6 +252,7 @@ BAD_REQUESTS = [
     ("presence_penalty over 2", "/v1/chat/completions", {"model": MODEL, "presence_penalty": 2.5,
                                                          "messages": [{"role": "user", "content": "x"}]}, 400),
     ("min_p over 1", "/v1/completions", {"model": MODEL, "prompt": "x", "min_p": 1.5}, 400),
+    ("repetition_penalty 0", "/v1/completions", {"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400),
     ("logit_bias key not a token id", "/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"x": 1}}, 400),
     ("logit_bias key of 5000 digits", "/v1/completions", {"model": MODEL, "prompt": "x",
                                                           "logit_bias": {"9" * 5000: 1}}, 400),
@@ -284,7 +288,8 @@ def test_null_options_take_their_defaults(client, base_url, alone):
     response_format is accepted too."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 24,
             "temperature": 0, "top_p": None, "n": None, "stream": None, "stop": None, "seed": None,
-            "presence_penalty": None, "frequency_penalty": None, "response_format": {"type": "text"}}
+            "presence_penalty": None, "frequency_penalty": None, "repetition_penalty": None,
+            "response_format": {"type": "text"}}
     r = _post(base_url, "/v1/chat/completions", json.dumps(body))
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == alone[QUESTIONS[0]]

@@ -122,7 +122,9 @@ class ModelRunner:
         self.min_p = torch.zeros(n, dtype=torch.float32, device=dev)
         self.frequency_penalty = torch.zeros(n, dtype=torch.float32, device=dev)
         self.presence_penalty = torch.zeros(n, dtype=torch.float32, device=dev)
-        self.output_counts = None  # [slots+1, V]: each slot's output tokens, from the first step with penalties
+        self.repetition_penalty = torch.ones(n, dtype=torch.float32, device=dev)
+        # from the first step with penalties: [slots+1, V] each slot's output tokens, and its prompt's
+        self.output_counts = self.in_prompt = None
         self.bias_ids = self.bias_values = None  # [slots+1, MAX_LOGIT_BIAS]: logit_bias, from the first step using it
         # with prompt lookup: every slot's tokens by position (prompt, output, the chain's drafts)
         self.history = torch.zeros(n, self.cache_len, dtype=torch.long, device=dev) \
@@ -164,6 +166,7 @@ class ModelRunner:
         if plan.use_penalties and self.output_counts is None:
             self.output_counts = torch.zeros(self.num_slots + 1, self.target_cfg.vocab_size, dtype=torch.int32,
                                              device=self.device)
+            self.in_prompt = torch.zeros_like(self.output_counts, dtype=torch.bool)
         if plan.use_logit_bias and self.bias_ids is None:
             self.bias_ids = torch.zeros(self.num_slots + 1, MAX_LOGIT_BIAS, dtype=torch.long, device=self.device)
             self.bias_values = torch.zeros(self.num_slots + 1, MAX_LOGIT_BIAS, device=self.device)
@@ -194,7 +197,8 @@ class ModelRunner:
     def _prefill(self, plan: StepPlan, inp: dict):
         ids, lens, slots = inp["prefill_ids"], inp["prefill_lens"], inp["prefill_slots"]
         B, T = ids.shape
-        for name in ("seeds", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty"):
+        for name in ("seeds", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty"):
             state = getattr(self, name)
             state.index_copy_(0, slots, inp[f"prefill_{name}"].to(state.dtype))
         if plan.use_logit_bias:
@@ -205,8 +209,11 @@ class ModelRunner:
         if plan.use_penalties:  # the output so far: the prompt's earlier output (a resumed request)
             self.output_counts.index_fill_(0, slots, 0)
             positions = torch.arange(T, device=self.device)
+            in_prompt = positions < lens.unsqueeze(1)
             prior = positions >= (lens - inp["prefill_prior_output_tokens"]).unsqueeze(1)
-            self._count_outputs(slots, ids, prior & (positions < lens.unsqueeze(1)))
+            self._count_outputs(slots, ids, prior & in_prompt)
+            prompt_counts = torch.zeros(B, self.target_cfg.vocab_size, dtype=torch.int32, device=self.device)
+            self.in_prompt.index_copy_(0, slots, prompt_counts.scatter_add_(1, ids, in_prompt.int()) > 0)
         if self.prefill_graphs is not None and plan.graphable and self.prefill_graphs.fits(B, T):
             out = self.prefill_graphs(slots, lens, ids, kv_len=T)
         else:
@@ -401,7 +408,8 @@ class ModelRunner:
                 drafted = torch.zeros_like(logits)
                 drafted[:, 1:].scatter_(-1, tree_ids[:, 1:].unsqueeze(-1), 1.0)
                 counts = counts + torch.einsum("ij,bjv->biv", self.tree_sees.to(logits.dtype), drafted)
-            logits = apply_penalties(logits, counts, self.frequency_penalty[slots], self.presence_penalty[slots])
+            logits = apply_penalties(logits, counts, self.frequency_penalty[slots], self.presence_penalty[slots],
+                                     self.repetition_penalty[slots], self.in_prompt[slots])
         return logits
 
     def _count_outputs(self, slots: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor) -> None:

@@ -53,6 +53,7 @@ def prepare_inputs(plan: StepPlan, device: torch.device) -> dict[str, torch.Tens
         host["prefill_min_p"] = torch.tensor([p.min_p for p in plan.prefills])
         host["prefill_frequency_penalty"] = torch.tensor([p.frequency_penalty for p in plan.prefills])
         host["prefill_presence_penalty"] = torch.tensor([p.presence_penalty for p in plan.prefills])
+        host["prefill_repetition_penalty"] = torch.tensor([p.repetition_penalty for p in plan.prefills])
         host["prefill_prior_output_tokens"] = torch.tensor([p.prior_output_tokens for p in plan.prefills])
         if plan.use_logit_bias:  # as [rows, MAX_LOGIT_BIAS] ids and values, padded with token 0 and bias 0
             host["prefill_bias_ids"] = torch.zeros(len(plan.prefills), MAX_LOGIT_BIAS, dtype=torch.long)
