@@ -110,17 +110,24 @@ class Eagle3Drafter(nn.Module):
     def propose(self, hidden: torch.Tensor, num: int = 1) -> torch.Tensor:
         """Pre-norm output [..., H] -> the drafter's `num` likeliest tokens, likeliest first, in the
         target vocabulary [..., num]."""
-        logits = self.lm_head(self.norm(hidden))
-        draft_ids = logits.argmax(-1, keepdim=True)
-        for _ in range(num - 1):  # not topk: on the GPU its radix select is a dozen kernels, this is three a token
-            logits = logits.scatter(-1, draft_ids[..., -1:], float("-inf"))
-            draft_ids = torch.cat([draft_ids, logits.argmax(-1, keepdim=True)], -1)
+        draft_ids = _top(self.lm_head(self.norm(hidden)), num)
         return draft_ids + self.d2t[draft_ids]
 
     def propose_scored(self, hidden: torch.Tensor, num: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm output [..., H] -> (`propose`'s tokens [..., num], the drafter's probabilities of them)."""
-        probability, draft_ids = self.lm_head(self.norm(hidden)).float().softmax(-1).topk(num, dim=-1)
-        return draft_ids + self.d2t[draft_ids], probability
+        probs = self.lm_head(self.norm(hidden)).float().softmax(-1)
+        draft_ids = _top(probs, num)
+        return draft_ids + self.d2t[draft_ids], probs.gather(-1, draft_ids)
+
+
+def _top(scores: torch.Tensor, num: int) -> torch.Tensor:
+    """The indices of the `num` highest scores [..., V], highest first [..., num]. Not topk: on the
+    GPU its radix select is a dozen kernels a call; this is one for num=1, three more a token after."""
+    top = scores.argmax(-1, keepdim=True)
+    for _ in range(num - 1):
+        scores = scores.scatter(-1, top[..., -1:], float("-inf"))
+        top = torch.cat([top, scores.argmax(-1, keepdim=True)], -1)
+    return top
 
 
 # ---- checkpoint format ----
