@@ -96,6 +96,7 @@ class _SamplingRequest(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # vLLM's extension
+    min_tokens: int = Field(0, ge=0)  # vLLM's extension
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Strict()]] | None = Field(None, max_length=64)
     logit_bias: dict[str, LogitBiasValue] | None = Field(None, max_length=MAX_LOGIT_BIAS)
@@ -135,13 +136,13 @@ class _SamplingRequest(BaseModel):
     def num_prompt_logprobs(self) -> int | None:
         return None
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                              seed=self.seed, max_tokens=self.max_tokens or default_max_tokens, stop=self.stop or [],
+                              seed=self.seed, max_tokens=max_tokens, stop=self.stop or [],
                               stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
                               logprobs=self.num_logprobs(), prompt_logprobs=self.num_prompt_logprobs(),
                               frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-                              repetition_penalty=self.repetition_penalty,
+                              repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
                               logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()})
 
 

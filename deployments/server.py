@@ -179,8 +179,11 @@ class OpenAIIngress:
         if max_tokens is not None and len(prompt_ids) + max_tokens > limit:
             raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
                            f"maximum context of {limit} tokens", param="max_tokens", code="context_length_exceeded")
-        return req.sampling_params(limit - len(prompt_ids)).model_copy(
-            update={"max_tokens": max_tokens or limit - len(prompt_ids)})
+        max_tokens = max_tokens or limit - len(prompt_ids)
+        if req.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens ({req.min_tokens}) must be at most max_tokens ({max_tokens})",
+                           param="min_tokens", code="invalid_value")
+        return req.sampling_params(max_tokens)
 
     async def _generate(self, rid: str, prompt_ids: list[int], params: SamplingParams, current: list):
         """The request's deltas. If its replica dies or its engine fails, the request is resubmitted
@@ -198,7 +201,8 @@ class OpenAIIngress:
                 return
             # a resumed request's prompt holds the sent tokens, which count for penalties and its text;
             # prompt log-probabilities (echo) go out once
-            resumed = {"max_tokens": left, "prior_output_tokens": len(sent), "prior_text_sent": len(shown)}
+            resumed = {"max_tokens": left, "min_tokens": max(0, params.min_tokens - len(sent)),
+                       "prior_output_tokens": len(sent), "prior_text_sent": len(shown)}
             if prompt_sent:
                 resumed["prompt_logprobs"] = None
             current[0] = self.server.generate.remote(f"{rid}.{attempt}" if attempt else rid, prompt_ids + sent,

@@ -6,6 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, mode
 
 GREEDY_BELOW = 1e-5  # temperatures under it decode greedily, as in vLLM
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
+MAX_STOP_IDS = 80  # EOS ids + stop_token_ids that min_tokens holds back, per request
 LogitBiasValue = Annotated[float, Strict(), Field(ge=-100.0, le=100.0)]  # Strict: JSON true is no bias
 
 
@@ -21,6 +22,7 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(default_factory=list, max_length=4)
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)  # end like EOS (vLLM's extension)
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)  # vLLM's: no EOS, stop token or stop string ends the output before this many
     # OpenAI's: logits -= frequency_penalty * count + presence_penalty * (count > 0), over the output so far
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -44,6 +46,8 @@ class SamplingParams(BaseModel):
     def _check_stop(self):
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
         return self
 
     @property

@@ -20,6 +20,8 @@ class PrefillRow:
     prior_output_tokens: int = 0  # the prompt's last tokens that count as output (a resumed request)
     logit_bias: dict[int, float] = field(default_factory=dict)
     repetition_penalty: float = 1.0
+    stops_from: int = 0  # min_tokens: the first position at which EOS and stop tokens may be emitted
+    stop_ids: list[int] = field(default_factory=list)  # ... those tokens (with min_tokens only)
 
 
 @dataclass
@@ -35,6 +37,7 @@ class StepPlan:
     num_logprobs: int | None = None  # some row wants log-probabilities, with this many top tokens at most
     use_penalties: bool = False      # some row has a frequency, presence or repetition penalty
     use_logit_bias: bool = False     # some row has a logit_bias
+    use_min_tokens: bool = False     # some row may still be short of its min_tokens
     num_prompt_logprobs: int | None = None  # some prefill wants its prompt's log-probabilities
 
     @property
@@ -42,7 +45,7 @@ class StepPlan:
         """Greedy, without log-probabilities, penalties or biases: the CUDA graphs' form (the eager path
         does the rest)."""
         return self.all_greedy and self.num_logprobs is None and not self.use_penalties and not self.use_logit_bias \
-            and self.num_prompt_logprobs is None
+            and self.num_prompt_logprobs is None and not self.use_min_tokens
 
     @property
     def slots(self) -> list[int]:

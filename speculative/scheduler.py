@@ -9,7 +9,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from speculative.config import SamplingParams
+from speculative.config import MAX_STOP_IDS, SamplingParams
 from speculative.plan import PrefillRow, StepPlan, StepResult
 
 
@@ -35,6 +35,8 @@ class Request:
     num_sent: int = 0                    # characters of text already returned as deltas
     prefix_offset: int = 0               # text ids[prefix_offset:read_offset] (`_text_ids`) are the context for
     read_offset: int = 0                 # decoding the ids from read_offset on (incremental detokenizing)
+    stops_after: int | None = 0          # a stop string counts if it ends past this many characters of text
+                                         # (min_tokens: of the text before the last of them; None until then)
 
     @property
     def is_finished(self) -> bool:
@@ -105,10 +107,13 @@ class Scheduler:
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                f"the maximum sequence length of {self.max_model_len} tokens")
-        for what, ids in (("prompt", prompt_ids), ("logit_bias", params.logit_bias)) if self.vocab_size else ():
+        for what, ids in (("prompt", prompt_ids), ("logit_bias", params.logit_bias),
+                          ("stop_token_ids", params.stop_token_ids)) if self.vocab_size else ():
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise RequestError(f"{what} token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if params.min_tokens and len(self.eos_token_ids | set(params.stop_token_ids)) > MAX_STOP_IDS:
+            raise RequestError(f"min_tokens holds back at most {MAX_STOP_IDS} EOS and stop tokens")
         if params.prior_output_tokens > len(prompt_ids):
             raise RequestError("prior_output_tokens exceeds the prompt")
         if params.stop and self.tokenizer is None:
@@ -122,7 +127,7 @@ class Scheduler:
         if self.in_use(request_id):
             raise RequestError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else next(self.seeds)
-        request = Request(request_id, list(prompt_ids), params, seed)
+        request = Request(request_id, list(prompt_ids), params, seed, stops_after=None if params.min_tokens else 0)
         if params.prior_output_tokens and self.tokenizer is not None:
             # a resumed request's text goes on from its earlier output's: a stop string may span the
             # two, and what the failed engine held back (a possible stop string's start) is sent from here
@@ -191,7 +196,8 @@ class Scheduler:
             step_id=step_id,
             prefills=[PrefillRow(r.slot, r.prompt_ids, r.seed, r.params.temperature, r.params.top_p, r.params.top_k,
                                  r.params.min_p, r.params.frequency_penalty, r.params.presence_penalty,
-                                 r.params.prior_output_tokens, r.params.logit_bias, r.params.repetition_penalty)
+                                 r.params.prior_output_tokens, r.params.logit_bias, r.params.repetition_penalty,
+                                 *self._min_tokens_stops(r))
                       for r in prefills],
             decode_slots=[r.slot for r in decodes],
             free_slots=self.slots_to_release,
@@ -203,11 +209,20 @@ class Scheduler:
             use_penalties=any(r.params.frequency_penalty or r.params.presence_penalty or r.params.repetition_penalty != 1
                               for r in rows),
             use_logit_bias=any(r.params.logit_bias for r in rows),
+            use_min_tokens=any(r.params.min_tokens > len(r.output_ids) for r in rows),
             num_prompt_logprobs=max((r.params.prompt_logprobs for r in prefills if r.params.prompt_logprobs is not None),
                                     default=None))
         self.slots_to_release = []
         self.rows_of_step[step_id] = [r.request_id for r in rows]
         return plan
+
+    def _min_tokens_stops(self, r: Request) -> tuple[int, list[int]]:
+        """(the first position at which EOS and stop tokens may be emitted, those tokens) for min_tokens."""
+        if not r.params.min_tokens:
+            return 0, []
+        eos = set() if r.params.ignore_eos else self.eos_token_ids
+        return len(r.prompt_ids) - r.params.prior_output_tokens + r.params.min_tokens, \
+            sorted(eos | set(r.params.stop_token_ids))
 
     # ---- results ----
 
@@ -252,6 +267,8 @@ class Scheduler:
             if token in self.eos_token_ids and not r.params.ignore_eos or token in r.params.stop_token_ids:
                 self._finish(r, "stop")
                 break
+            if r.params.stop and r.stops_after is None and len(r.output_ids) == r.params.min_tokens - 1:
+                r.stops_after = len(self._decode(r))
             r.output_ids.append(token)
             new.append(token)
             # token by token, so the output ends where plain decoding (one token a step) ends it
@@ -276,8 +293,11 @@ class Scheduler:
 
     @staticmethod
     def _find_stop(r: Request, text: str) -> int | None:
-        """Where the earliest stop string starts in the text, if any does."""
-        hits = [at for at in (text.find(stop) for stop in r.params.stop) if at >= 0]
+        """Where the earliest stop string that ends after `r.stops_after` characters starts in the
+        text, if any does (None before min_tokens tokens)."""
+        if r.stops_after is None:
+            return None
+        hits = [at for at in (text.find(stop, max(0, r.stops_after - len(stop) + 1)) for stop in r.params.stop) if at >= 0]
         return min(hits) if hits else None
 
     def _detokenize(self, r: Request) -> str:

@@ -225,6 +225,60 @@ def test_penalties_and_logit_bias_greedy_equal_the_reference(tiny_dir, tiny_draf
         assert (run_with_oracle.siblings_taken > 5) == (siblings > 0)
 
 
+def min_tokens_greedy(model_dir, prompt: list[int], params: SamplingParams) -> list[int]:
+    """Greedy decoding from Hugging Face logits where the stop tokens cannot be chosen before
+    min_tokens, ending at the first stop token after (which is not part of the output)."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    out = []
+    while len(out) < params.max_tokens:
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + out])).logits[0, -1]
+        if len(out) < params.min_tokens:
+            logits[params.stop_token_ids] = float("-inf")
+        token = int(logits.argmax())
+        if token in params.stop_token_ids:
+            break
+        out.append(token)
+    return out
+
+
+def test_min_tokens_holds_back_stop_tokens(tiny_dir, tiny_drafter_dir, prompts, plain_ref):
+    """min_tokens keeps stop tokens from being chosen before it, at every draft depth and sibling
+    (the verify pass masks each node by the position it chooses), in a batch with requests without
+    it and one that stops at once without it; the output equals a Hugging Face reference. In the
+    even rows the stop token is the plain output's token at min_tokens (and not before it), so the
+    output ends right at the boundary, often inside a step that began before it."""
+    def stop_at(ref, j):
+        return next(i for i in range(j, len(ref)) if ref[i] not in ref[:i])
+    cases = [(ref, stop_at(ref, 4 + i)) for i, ref in enumerate(plain_ref)]
+    params = [GREEDY.model_copy(update={"max_tokens": 30, "stop_token_ids": [ref[j]], "min_tokens": j}) if i % 2 == 0
+              else GREEDY.model_copy(update={"max_tokens": 30, "stop_token_ids": [ref[2], ref[5]], "min_tokens": m})
+              for i, ((ref, j), m) in enumerate(zip(cases, [0, 0, 0, 25, 0, 7, 0]))]
+    refs = [min_tokens_greedy(tiny_dir, prompt, p) for prompt, p in zip(prompts, params)]
+    assert len(refs[1]) == 2 and len(refs[3]) >= 25  # the stop tokens do stop the output
+    assert all(refs[i] == ref[:j] for i, (ref, j) in enumerate(cases) if i % 2 == 0)
+    engine = tiny_engine(tiny_dir, max_batch_size=4)
+    assert [r.output_ids for r in run_to_completion(engine, prompts, params, JOINS)] == refs
+    for siblings in (0, 1):
+        engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, max_batch_size=4, overlap=False, draft_siblings=siblings)
+        requests = run_with_oracle(engine, prompts, refs, JOINS, corrupt_p=0.2, params=params)
+        assert [r.output_ids for r in requests] == refs
+        assert engine.scheduler.stats.accepted_at[-1] > 0
+
+
+def test_min_tokens_ends_with_its_request(tiny_dir, prompts, plain_ref):
+    """A slot's next request, prefilled in a step without min_tokens, does not inherit the earlier
+    request's, even in later steps beside a new request with min_tokens."""
+    stop = next(t for i, t in enumerate(plain_ref[2]) if i >= 3 and t not in plain_ref[2][:i])
+    ends = plain_ref[2].index(stop)
+    held = GREEDY.model_copy(update={"max_tokens": 20, "min_tokens": 20, "stop_token_ids": [stop]})
+    params = [held, held, GREEDY.model_copy(update={"stop_token_ids": [stop]}), held.model_copy(update={"max_tokens": 40})]
+    engine = tiny_engine(tiny_dir, max_batch_size=2)
+    requests = run_to_completion(engine, prompts[:4], params, [0, 0, 25, 26])
+    assert requests[2].output_ids == plain_ref[2][:ends] and requests[2].finish_reason == "stop"
+
+
 @pytest.mark.parametrize("k, siblings", [(1, 0), (3, 0), (3, 1)])
 def test_drafter_kv_cache_matches_fresh_prefill(tiny_dir, tiny_drafter_dir, prompts, plain_ref, k, siblings):
     """After any mix of accepted and rejected drafts (and siblings), the drafter's KV cache holds what

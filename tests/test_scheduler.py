@@ -307,10 +307,34 @@ def test_auto_ids_pass_over_a_callers_ids(tiny_dir):
 
 @pytest.mark.parametrize("field, value", [("temperature", 5.0), ("temperature", -1.0), ("top_p", 0.0),
                                           ("top_k", -2), ("max_tokens", 0), ("seed", -1), ("stop", [""]),
-                                          ("stop", ["a"] * 5), ("bogus", 1)])
+                                          ("stop", ["a"] * 5), ("bogus", 1), ("min_tokens", -1), ("min_tokens", 300),
+                                          ("repetition_penalty", 0.0)])
 def test_invalid_sampling_params(field, value):
     with pytest.raises(ValidationError, match=field if field != "stop" else "stop"):
         SamplingParams(**{field: value})
+
+
+def test_stop_strings_wait_for_min_tokens(tok_dir):
+    """A stop string ends the output only where it ends past the text of the first min_tokens - 1
+    tokens, as vLLM's (which skips the stop checks until min_tokens); the text stops before it."""
+    from workers.loader import load_tokenizer
+    tokenizer = load_tokenizer(tok_dir)
+    stream = tokenizer.encode("one. two. three. four.")
+    texts = {}
+    for min_tokens in (0, 1, len(tokenizer.encode("one. two.")) + 1):
+        s = Scheduler(1, 512, 512, 3, {tokenizer.eos_token_id}, tokenizer)
+        r = s.add("r", [1, 2, 3], SamplingParams(max_tokens=len(stream), stop=["."], min_tokens=min_tokens))
+        fed = 0
+        while not r.is_finished:
+            plan = s.plan()
+            n = 1 if plan.prefills else min(3, len(stream) - fed)
+            tokens = torch.zeros(1, 4, dtype=torch.long)
+            tokens[0, :n] = torch.tensor(stream[fed:fed + n])
+            s.process(plan, StepResult(plan.step_id, tokens.numpy(), torch.tensor([n]).numpy()))
+            fed += n
+        assert r.finish_reason == "stop"
+        texts[min_tokens] = r.text
+    assert list(texts.values()) == ["one", "one", "one. two. three"]
 
 
 def test_engine_seed_is_bounded():

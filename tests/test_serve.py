@@ -222,6 +222,10 @@ def test_sampling_options_reach_the_engine(client, base_url, alone):
     assert penalised and penalised != alone[question]
     repeats = chat(client, question, max_tokens=24, extra_body={"repetition_penalty": 3.0}).choices[0].message.content
     assert repeats and repeats != alone[question]
+    short = chat(client, question, max_tokens=200)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 100
+    held = chat(client, question, max_tokens=200, extra_body={"min_tokens": 100})
+    assert held.usage.completion_tokens >= 100 and held.choices[0].message.content.startswith(alone[question][:20])
     assert chat(client, question, frequency_penalty=0.0).choices[0].message.content == alone[question]
     first = _post(base_url, "/tokenize", json.dumps({"model": MODEL, "prompt": alone[question]})).json()["tokens"][0]
     banned = chat(client, question, logit_bias={str(first): -100}).choices[0].message.content
@@ -253,6 +257,9 @@ BAD_REQUESTS = [
                                                          "messages": [{"role": "user", "content": "x"}]}, 400),
     ("min_p over 1", "/v1/completions", {"model": MODEL, "prompt": "x", "min_p": 1.5}, 400),
     ("repetition_penalty 0", "/v1/completions", {"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400),
+    ("min_tokens over max_tokens", "/v1/completions", {"model": MODEL, "prompt": "x", "min_tokens": 17}, 400),
+    ("stop token id outside the vocabulary", "/v1/completions", {"model": MODEL, "prompt": "x",
+                                                                "stop_token_ids": [10**6]}, 400),
     ("logit_bias key not a token id", "/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"x": 1}}, 400),
     ("logit_bias key of 5000 digits", "/v1/completions", {"model": MODEL, "prompt": "x",
                                                           "logit_bias": {"9" * 5000: 1}}, 400),

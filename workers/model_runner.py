@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from speculative.config import MAX_LOGIT_BIAS, EngineConfig
+from speculative.config import MAX_LOGIT_BIAS, MAX_STOP_IDS, EngineConfig
 from speculative.draft_tree import tree_layout
 from speculative.plan import StepPlan
 from speculative.prompt_lookup import lookup
@@ -126,6 +126,9 @@ class ModelRunner:
         # from the first step with penalties: [slots+1, V] each slot's output tokens, and its prompt's
         self.output_counts = self.in_prompt = None
         self.bias_ids = self.bias_values = None  # [slots+1, MAX_LOGIT_BIAS]: logit_bias, from the first step using it
+        # min_tokens, from the first step using it: [slots+1] the first position at which EOS and stop
+        # tokens may be emitted, and [slots+1, MAX_STOP_IDS] those tokens (-1: none)
+        self.stops_from = self.stop_ids = None
         # with prompt lookup: every slot's tokens by position (prompt, output, the chain's drafts)
         self.history = torch.zeros(n, self.cache_len, dtype=torch.long, device=dev) \
             if cfg.prompt_lookup > 0 and self.drafter is not None else None
@@ -170,6 +173,9 @@ class ModelRunner:
         if plan.use_logit_bias and self.bias_ids is None:
             self.bias_ids = torch.zeros(self.num_slots + 1, MAX_LOGIT_BIAS, dtype=torch.long, device=self.device)
             self.bias_values = torch.zeros(self.num_slots + 1, MAX_LOGIT_BIAS, device=self.device)
+        if plan.use_min_tokens and self.stops_from is None:
+            self.stops_from = torch.zeros(self.num_slots + 1, dtype=torch.long, device=self.device)
+            self.stop_ids = torch.full((self.num_slots + 1, MAX_STOP_IDS), -1, dtype=torch.long, device=self.device)
         if plan.prefills:
             tokens, emitted, seed = self._prefill(plan, inputs)
             outs.append((tokens, emitted))
@@ -206,6 +212,11 @@ class ModelRunner:
             self.bias_values.index_copy_(0, slots, inp["prefill_bias_values"])
         elif self.bias_values is not None:  # an earlier request's bias must not reach a later one in its slot
             self.bias_values.index_fill_(0, slots, 0.0)
+        if plan.use_min_tokens:
+            self.stops_from.index_copy_(0, slots, inp["prefill_stops_from"])
+            self.stop_ids.index_copy_(0, slots, inp["prefill_stop_ids"])
+        elif self.stops_from is not None:  # nor its min_tokens
+            self.stops_from.index_fill_(0, slots, 0)
         if plan.use_penalties:  # the output so far: the prompt's earlier output (a resumed request)
             self.output_counts.index_fill_(0, slots, 0)
             positions = torch.arange(T, device=self.device)
@@ -239,7 +250,7 @@ class ModelRunner:
         hidden, _ = self.target(ids, batch, features)
         logits = self.target.logits(hidden[rows, lens - 1].unsqueeze(1))  # [B, 1, V]
         token = logits[:, 0].argmax(-1) if plan is None else \
-            self._sample_one(plan, self._bias_and_penalise(plan, logits, slots), slots, lens)
+            self._sample_one(plan, self._bias_and_penalise(plan, logits, slots, lens.unsqueeze(1)), slots, lens)
         if plan is not None and plan.num_logprobs is not None:  # padded to K+1 columns, like the tokens
             chosen, top_ids, top_logprobs = token_logprobs(logits, token.unsqueeze(1), plan.num_logprobs)
             K = self.K
@@ -363,7 +374,7 @@ class ModelRunner:
         chain = base.unsqueeze(1) + torch.arange(K + 1, device=self.device)    # [B, K+1] the chain's positions
         logits = raw_logits = self.target.logits(hidden)                      # [B, T, V]
         if plan is not None:
-            logits = self._bias_and_penalise(plan, logits, slots, ids)
+            logits = self._bias_and_penalise(plan, logits, slots, base.unsqueeze(1) + self.node_depth + 1, ids)
         if plan is None or plan.all_greedy:
             tokens, emitted, path = verify_greedy(logits.argmax(-1), drafts, siblings)
         else:
@@ -394,14 +405,19 @@ class ModelRunner:
         end = self.cache_len - 1
         self.kv_cache[:, :, into, (base + last).clamp(max=end)] = self.kv_cache[:, :, slots, (base + node).clamp(max=end)]
 
-    def _bias_and_penalise(self, plan: StepPlan, logits: torch.Tensor, slots: torch.Tensor,
+    def _bias_and_penalise(self, plan: StepPlan, logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                            tree_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """OpenAI's logit_bias and penalties on logits [B, T, V]. With tree_ids [B, T] (the verify pass's
-        tokens), node i follows the output so far and the drafts on its path, as if accepted."""
+        """OpenAI's logit_bias and penalties, and vLLM's min_tokens, on logits [B, T, V] that choose the
+        tokens at `positions` [B, T]. With tree_ids [B, T] (the verify pass's tokens), node i follows the
+        output so far and the drafts on its path, as if accepted."""
+        B, T, _ = logits.shape
         if plan.use_logit_bias:
-            B, T, _ = logits.shape
             logits = logits.scatter_add(-1, self.bias_ids[slots].unsqueeze(1).expand(B, T, -1),
                                         self.bias_values[slots].unsqueeze(1).expand(B, T, -1))
+        if plan.use_min_tokens:  # no EOS or stop token before min_tokens
+            ids = self.stop_ids[slots].unsqueeze(1).expand(B, T, -1)
+            early = (positions < self.stops_from[slots].unsqueeze(1)).unsqueeze(-1) & (ids >= 0)
+            logits = logits.scatter_add(-1, ids.clamp(min=0), torch.where(early, float("-inf"), 0.0))
         if plan.use_penalties:
             counts = self.output_counts[slots].unsqueeze(1).float()
             if tree_ids is not None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speculative.config import MAX_LOGIT_BIAS
+from speculative.config import MAX_LOGIT_BIAS, MAX_STOP_IDS
 from speculative.plan import StepPlan, StepResult
 
 
@@ -61,6 +61,11 @@ def prepare_inputs(plan: StepPlan, device: torch.device) -> dict[str, torch.Tens
             for i, p in enumerate(plan.prefills):
                 host["prefill_bias_ids"][i, :len(p.logit_bias)] = torch.tensor(list(p.logit_bias), dtype=torch.long)
                 host["prefill_bias_values"][i, :len(p.logit_bias)] = torch.tensor(list(p.logit_bias.values()))
+        if plan.use_min_tokens:  # [rows, MAX_STOP_IDS] padded with -1
+            host["prefill_stops_from"] = torch.tensor([p.stops_from for p in plan.prefills])
+            host["prefill_stop_ids"] = torch.full((len(plan.prefills), MAX_STOP_IDS), -1, dtype=torch.long)
+            for i, p in enumerate(plan.prefills):
+                host["prefill_stop_ids"][i, :len(p.stop_ids)] = torch.tensor(p.stop_ids, dtype=torch.long)
     pin = device.type == "cuda"
     return {k: (v.pin_memory() if pin else v).to(device, non_blocking=True) for k, v in host.items()}
 
