@@ -217,12 +217,12 @@ class Scheduler:
         return plan
 
     def _min_tokens_stops(self, r: Request) -> tuple[int, list[int]]:
-        """(the first position at which EOS and stop tokens may be emitted, those tokens) for min_tokens."""
+        """(the first position at which EOS and stop tokens may be emitted, those tokens) for min_tokens,
+        which counts the tokens this request generates, as max_tokens does (a resumed one's are left)."""
         if not r.params.min_tokens:
             return 0, []
         eos = set() if r.params.ignore_eos else self.eos_token_ids
-        return len(r.prompt_ids) - r.params.prior_output_tokens + r.params.min_tokens, \
-            sorted(eos | set(r.params.stop_token_ids))
+        return len(r.prompt_ids) + r.params.min_tokens, sorted(eos | set(r.params.stop_token_ids))
 
     # ---- results ----
 

@@ -260,6 +260,11 @@ def test_min_tokens_holds_back_stop_tokens(tiny_dir, tiny_drafter_dir, prompts, 
     assert all(refs[i] == ref[:j] for i, (ref, j) in enumerate(cases) if i % 2 == 0)
     engine = tiny_engine(tiny_dir, max_batch_size=4)
     assert [r.output_ids for r in run_to_completion(engine, prompts, params, JOINS)] == refs
+    for t in (1, 3, 9):  # resumed after t tokens (as the server resubmits): what is left of min_tokens
+        resumed = [p.model_copy(update={"max_tokens": p.max_tokens - t, "min_tokens": max(0, p.min_tokens - t),
+                                        "prior_output_tokens": t}) for p in params]
+        got = run_to_completion(engine, [p + ref[:t] for p, ref in zip(prompts, refs)], resumed)
+        assert [r.output_ids for r in got] == [ref[t:] for ref in refs], t
     for siblings in (0, 1):
         engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, max_batch_size=4, overlap=False, draft_siblings=siblings)
         requests = run_with_oracle(engine, prompts, refs, JOINS, corrupt_p=0.2, params=params)
