@@ -303,9 +303,9 @@ def main(argv=None) -> None:
     b.add_argument("--draft-siblings", default="0", metavar="M", help="comma-separated siblings per draft depth "
                    "for the EAGLE-3 runs (0: a chain)")
     b.add_argument("--temperature", type=float, default=0.0, help="of every request (0: greedy; sampled steps "
-                   "run eager)")
+                   "verify eagerly after the graphed target pass)")
     b.add_argument("--logprobs", type=int, default=None, metavar="N", help="every request asks for its tokens' "
-                   "log-probabilities and N top ones (what that costs: such steps run eager)")
+                   "log-probabilities and N top ones (what that costs: such steps verify eagerly)")
     b.add_argument("--output-len", type=int, default=256)
     b.add_argument("--ignore-eos", action="store_true")
     b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
