@@ -42,8 +42,8 @@ class StepPlan:
 
     @property
     def graphable(self) -> bool:
-        """Greedy, without log-probabilities, penalties or biases: the CUDA graphs' form (the eager path
-        does the rest)."""
+        """Greedy, without log-probabilities, penalties, biases or min_tokens: the CUDA graphs' form (the
+        others replay only the target pass's graph and verify eagerly)."""
         return self.all_greedy and self.num_logprobs is None and not self.use_penalties and not self.use_logit_bias \
             and self.num_prompt_logprobs is None and not self.use_min_tokens
 

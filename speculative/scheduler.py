@@ -35,8 +35,8 @@ class Request:
     num_sent: int = 0                    # characters of text already returned as deltas
     prefix_offset: int = 0               # text ids[prefix_offset:read_offset] (`_text_ids`) are the context for
     read_offset: int = 0                 # decoding the ids from read_offset on (incremental detokenizing)
-    stops_after: int | None = 0          # a stop string counts if it ends past this many characters of text
-                                         # (min_tokens: of the text before the last of them; None until then)
+    stops_after: int | None = 0          # a stop string counts if it ends past this many characters of text:
+                                         # a resumed request's earlier output, min_tokens' (None until then)
 
     @property
     def is_finished(self) -> bool:
@@ -134,6 +134,8 @@ class Scheduler:
             request.text = self.tokenizer.decode(self._text_ids(request), skip_special_tokens=True)
             request.num_sent = min(params.prior_text_sent, len(request.text))
             request.read_offset = params.prior_output_tokens
+            if request.stops_after == 0:  # the failed engine checked that text, with its min_tokens
+                request.stops_after = len(request.text)
         self.waiting.append(request)
         return request
 
@@ -221,8 +223,8 @@ class Scheduler:
         which counts the tokens this request generates, as max_tokens does (a resumed one's are left)."""
         if not r.params.min_tokens:
             return 0, []
-        eos = set() if r.params.ignore_eos else self.eos_token_ids
-        return len(r.prompt_ids) + r.params.min_tokens, sorted(eos | set(r.params.stop_token_ids))
+        # EOS too with ignore_eos, as vLLM's
+        return len(r.prompt_ids) + r.params.min_tokens, sorted(self.eos_token_ids | set(r.params.stop_token_ids))
 
     # ---- results ----
 
@@ -267,10 +269,10 @@ class Scheduler:
             if token in self.eos_token_ids and not r.params.ignore_eos or token in r.params.stop_token_ids:
                 self._finish(r, "stop")
                 break
-            if r.params.stop and r.stops_after is None and len(r.output_ids) == r.params.min_tokens - 1:
-                r.stops_after = len(self._decode(r))
             r.output_ids.append(token)
             new.append(token)
+            if r.params.stop and r.stops_after is None and len(r.output_ids) == r.params.min_tokens:
+                r.stops_after = len(self._decode(r))
             # token by token, so the output ends where plain decoding (one token a step) ends it
             if r.params.stop and self._find_stop(r, self._decode(r)) is not None:
                 self._finish(r, "stop")
@@ -294,7 +296,8 @@ class Scheduler:
     @staticmethod
     def _find_stop(r: Request, text: str) -> int | None:
         """Where the earliest stop string that ends after `r.stops_after` characters starts in the
-        text, if any does (None before min_tokens tokens)."""
+        text, if any does (None before min_tokens tokens: vLLM's rule, a stop string must end past
+        their text)."""
         if r.stops_after is None:
             return None
         hits = [at for at in (text.find(stop, max(0, r.stops_after - len(stop) + 1)) for stop in r.params.stop) if at >= 0]

@@ -88,10 +88,6 @@ def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return ids.clamp_(max=probs.shape[-1] - 1)
 
 
-def _chain_path(B: int, K: int, device) -> torch.Tensor:
-    return torch.arange(K + 1, device=device).expand(B, K + 1)
-
-
 def verify_greedy(target_ids: torch.Tensor, drafts: torch.Tensor, siblings: torch.Tensor | None = None) -> tuple:
     """target_ids [B, T] the target's argmax at every node of the draft tree (speculative/draft_tree.py;
     T = K+1 for a chain), drafts [B, K] the chain, siblings [B, M, K] or None -> (tokens [B, K+1],

@@ -315,16 +315,20 @@ def test_invalid_sampling_params(field, value):
 
 
 def test_stop_strings_wait_for_min_tokens(tok_dir):
-    """A stop string ends the output only where it ends past the text of the first min_tokens - 1
-    tokens, as vLLM's (which skips the stop checks until min_tokens); the text stops before it."""
+    """A stop string ends the output only where it ends past the text of the first min_tokens tokens,
+    as vLLM's; the text stops before it. A request resumed after such a held-back stop string
+    (its earlier output in the prompt, nothing left of min_tokens) does not stop on it."""
     from workers.loader import load_tokenizer
     tokenizer = load_tokenizer(tok_dir)
     stream = tokenizer.encode("one. two. three. four.")
     texts = {}
-    for min_tokens in (0, 1, len(tokenizer.encode("one. two.")) + 1):
+    two = len(tokenizer.encode("one. two"))
+    for min_tokens, resumed in ((0, 0), (1, 0), (2, 0), (two + 1, 0), (2, two)):
         s = Scheduler(1, 512, 512, 3, {tokenizer.eos_token_id}, tokenizer)
-        r = s.add("r", [1, 2, 3], SamplingParams(max_tokens=len(stream), stop=["."], min_tokens=min_tokens))
-        fed = 0
+        params = SamplingParams(max_tokens=len(stream) - resumed, stop=["."], min_tokens=max(0, min_tokens - resumed),
+                                prior_output_tokens=resumed)
+        r = s.add("r", [1, 2, 3] + stream[:resumed], params)
+        fed = resumed
         while not r.is_finished:
             plan = s.plan()
             n = 1 if plan.prefills else min(3, len(stream) - fed)
@@ -333,8 +337,8 @@ def test_stop_strings_wait_for_min_tokens(tok_dir):
             s.process(plan, StepResult(plan.step_id, tokens.numpy(), torch.tensor([n]).numpy()))
             fed += n
         assert r.finish_reason == "stop"
-        texts[min_tokens] = r.text
-    assert list(texts.values()) == ["one", "one", "one. two. three"]
+        texts[min_tokens, resumed] = r.text
+    assert list(texts.values()) == ["one", "one", "one. two", "one. two. three", "one. two"]
 
 
 def test_engine_seed_is_bounded():

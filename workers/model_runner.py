@@ -343,7 +343,7 @@ class ModelRunner:
         """The target's forward over each row's draft tree (the pending token, the drafts, their
         siblings), writing its K/V and the drafter's features. -> final hidden states [B, T, H], the
         tree's tokens [B, T], the position of the pending token before the step [B]. Also captured
-        on its own, for the steps whose verification runs eager (sampling, logprobs, penalties, bias)."""
+        on its own, for the steps whose verification runs eager (not `plan.graphable`)."""
         K, M, B = self.K, self.M, slots.shape[0]
         base = self.num_computed[slots]                                        # [B]
         drafts = [self.drafts[slots, :K]] + ([self.siblings[slots, :, :K].flatten(1)] if M else [])
