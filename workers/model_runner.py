@@ -349,11 +349,10 @@ class ModelRunner:
         drafts = [self.drafts[slots, :K]] + ([self.siblings[slots, :, :K].flatten(1)] if M else [])
         ids = torch.cat([self.last_token[slots].unsqueeze(1)] + drafts, dim=1)  # [B, T]
         valid = torch.ones_like(ids, dtype=torch.bool)
-        if M:
-            batch = self._batch(slots, base.unsqueeze(1) + self.node_depth, valid, kv_len,
-                                rows=base.unsqueeze(1) + torch.arange(self.T, device=self.device), tree=self.tree_sees)
-        else:
-            batch = self._batch(slots, base.unsqueeze(1) + torch.arange(K + 1, device=self.device), valid, kv_len)
+        positions = base.unsqueeze(1) + self.node_depth                        # [B, T]; a chain's rows are its positions
+        batch = self._batch(slots, positions, valid, kv_len) if not M else self._batch(
+            slots, positions, valid, kv_len, rows=base.unsqueeze(1) + torch.arange(self.T, device=self.device),
+            tree=self.tree_sees)
         hidden, _ = self.target(ids, batch, self.resources.feature_view(B, self.T) if self.drafter else None)
         return hidden, ids, base
 
@@ -371,10 +370,11 @@ class ModelRunner:
             hidden, ids, base = self._target_pass(slots, kv_len)
         drafts = ids[:, 1:K + 1]                                              # [B, K]
         siblings = ids[:, K + 1:].reshape(B, M, K) if M else None             # [B, M, K]
-        chain = base.unsqueeze(1) + torch.arange(K + 1, device=self.device)    # [B, K+1] the chain's positions
+        positions = base.unsqueeze(1) + self.node_depth                        # [B, T] each node's position
+        chain = positions[:, :K + 1]                                          # [B, K+1] the chain's
         logits = raw_logits = self.target.logits(hidden)                      # [B, T, V]
-        if plan is not None:
-            logits = self._bias_and_penalise(plan, logits, slots, base.unsqueeze(1) + self.node_depth + 1, ids)
+        if plan is not None:  # node i's logits choose the token at its position + 1
+            logits = self._bias_and_penalise(plan, logits, slots, positions + 1, ids)
         if plan is None or plan.all_greedy:
             tokens, emitted, path = verify_greedy(logits.argmax(-1), drafts, siblings)
         else:
