@@ -4,6 +4,7 @@ benchmark sets and GSM8K test, chat template applied, for several K and temperat
     python benchmarks/acceptance.py --drafter speculative/drafters/smollm2-135m --k 3 5 \
         --temperatures 0 0.7 --output benchmarks/acceptance_smollm2.json
 """
+
 import argparse
 import itertools
 import json
@@ -22,76 +23,140 @@ EAGLE_SETS = ("gsm8k", "alpaca", "sum", "qa")
 def load_sets(data_root: Path, num_gsm8k_test: int, names=EAGLE_SETS) -> dict[str, list[str]]:
     sets = {}
     for name in names:
-        rows = [json.loads(line) for line in (data_root / "eagle_bench" / name / "question.jsonl").open()]
+        rows = [
+            json.loads(line)
+            for line in (data_root / "eagle_bench" / name / "question.jsonl").open()
+        ]
         sets[f"eagle_{name}"] = [row["turns"][0] for row in rows]
     if num_gsm8k_test:
-        rows = [json.loads(line) for line in (data_root / "gsm8k" / "test.jsonl").open() if line.strip()]
+        rows = [
+            json.loads(line) for line in (data_root / "gsm8k" / "test.jsonl").open() if line.strip()
+        ]
         sets["gsm8k_test"] = [row["question"] for row in rows[:num_gsm8k_test]]
     return sets
 
 
-def measure(engine: LLMEngine, prompts: list[list[int]], temperature: float, max_tokens: int) -> dict:
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0 if temperature else None)
+def measure(
+    engine: LLMEngine, prompts: list[list[int]], temperature: float, max_tokens: int
+) -> dict:
+    params = SamplingParams(
+        temperature=temperature, max_tokens=max_tokens, seed=0 if temperature else None
+    )
     start = time.perf_counter()
     requests = engine.generate(prompts, params)
     seconds = time.perf_counter() - start
     steps = sum(r.num_verify_steps for r in requests)
-    return {"acceptance_length": round(sum(r.num_verify_emitted for r in requests) / max(steps, 1), 4),
-            "mean_request_acceptance": round(sum(r.acceptance_length for r in requests) / len(requests), 4),
-            "num_prompts": len(requests), "output_tokens": sum(len(r.output_ids) for r in requests),
-            "target_forwards": steps, "seconds": round(seconds, 1)}
+    return {
+        "acceptance_length": round(sum(r.num_verify_emitted for r in requests) / max(steps, 1), 4),
+        "mean_request_acceptance": round(
+            sum(r.acceptance_length for r in requests) / len(requests), 4
+        ),
+        "num_prompts": len(requests),
+        "output_tokens": sum(len(r.output_ids) for r in requests),
+        "target_forwards": steps,
+        "seconds": round(seconds, 1),
+    }
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--drafter", default="default")
     p.add_argument("--k", type=int, nargs="+", default=[3, 5])
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--max-batch-size", type=int, default=64)
-    p.add_argument("--sets", nargs="+", default=list(EAGLE_SETS), choices=EAGLE_SETS, help="EAGLE sets to run")
+    p.add_argument(
+        "--sets", nargs="+", default=list(EAGLE_SETS), choices=EAGLE_SETS, help="EAGLE sets to run"
+    )
     p.add_argument("--num-gsm8k-test", type=int, default=200, help="GSM8K test questions (0: none)")
-    p.add_argument("--data-root", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data")
+    p.add_argument(
+        "--data-root", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data"
+    )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--prompt-lookup", type=float, default=0.0, help="EngineConfig.prompt_lookup (0: off)")
-    p.add_argument("--siblings", type=int, nargs="+", default=[0], help="EngineConfig.draft_siblings values (0: a chain)")
+    p.add_argument(
+        "--prompt-lookup", type=float, default=0.0, help="EngineConfig.prompt_lookup (0: off)"
+    )
+    p.add_argument(
+        "--siblings",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="EngineConfig.draft_siblings values (0: a chain)",
+    )
     p.add_argument("--output", type=Path, help="results JSON")
     args = p.parse_args(argv)
     sets = load_sets(args.data_root, args.num_gsm8k_test, args.sets)
     results = []
     for k, siblings in itertools.product(args.k, args.siblings):
         # the runner pads a prefill batch to its longest prompt, so budget for the padded size
-        engine = LLMEngine(EngineConfig(model=args.model, drafter=args.drafter, num_draft_tokens=k,
-                                        max_batch_size=args.max_batch_size, max_model_len=2048,
-                                        max_num_batched_tokens=args.max_batch_size * 2048, device=args.device,
-                                        prompt_lookup=args.prompt_lookup, draft_siblings=siblings))
+        engine = LLMEngine(
+            EngineConfig(
+                model=args.model,
+                drafter=args.drafter,
+                num_draft_tokens=k,
+                max_batch_size=args.max_batch_size,
+                max_model_len=2048,
+                max_num_batched_tokens=args.max_batch_size * 2048,
+                device=args.device,
+                prompt_lookup=args.prompt_lookup,
+                draft_siblings=siblings,
+            )
+        )
         engine.scheduler.tokenizer = None  # acceptance needs no detokenizing
-        encoded = {name: [encode_prompt(engine.tokenizer, text) for text in texts] for name, texts in sets.items()}
+        encoded = {
+            name: [encode_prompt(engine.tokenizer, text) for text in texts]
+            for name, texts in sets.items()
+        }
         for temperature in args.temperatures:
             for name, prompts in encoded.items():
-                row = {"set": name, "k": k, "siblings": siblings, "temperature": temperature,
-                       **measure(engine, prompts, temperature, args.max_tokens)}
+                row = {
+                    "set": name,
+                    "k": k,
+                    "siblings": siblings,
+                    "temperature": temperature,
+                    **measure(engine, prompts, temperature, args.max_tokens),
+                }
                 results.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
         del engine
     print_table(results)
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps({"model": args.model, "drafter": args.drafter,
-                                           "max_tokens": args.max_tokens, "prompt_lookup": args.prompt_lookup,
-                                           "results": results}, indent=2))
+        args.output.write_text(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "drafter": args.drafter,
+                    "max_tokens": args.max_tokens,
+                    "prompt_lookup": args.prompt_lookup,
+                    "results": results,
+                },
+                indent=2,
+            )
+        )
 
 
 def print_table(results: list[dict]) -> None:
     columns = sorted({(r["k"], r.get("siblings", 0), r["temperature"]) for r in results})
     names = list(dict.fromkeys(r["set"] for r in results))
-    print("| set | " + " | ".join(f"K={k}{f' M={m}' if m else ''} T={t:g}" for k, m, t in columns) + " |")
+    print(
+        "| set | "
+        + " | ".join(f"K={k}{f' M={m}' if m else ''} T={t:g}" for k, m, t in columns)
+        + " |"
+    )
     print("|---|" + "---|" * len(columns))
     for name in names:
-        cells = {(r["k"], r.get("siblings", 0), r["temperature"]): r["acceptance_length"]
-                 for r in results if r["set"] == name}
-        print(f"| {name} | " + " | ".join(f"{cells.get(c, float('nan')):.2f}" for c in columns) + " |")
+        cells = {
+            (r["k"], r.get("siblings", 0), r["temperature"]): r["acceptance_length"]
+            for r in results
+            if r["set"] == name
+        }
+        print(
+            f"| {name} | " + " | ".join(f"{cells.get(c, float('nan')):.2f}" for c in columns) + " |"
+        )
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 send) and the result back (ZMQ round trip beyond the worker's own execute time), against the step
 time; and the fraction of wall time the coordinator waits on workers, with and without overlap.
 Prints a table, writes JSON."""
+
 import argparse
 import json
 import os
@@ -24,14 +25,27 @@ def measure(cfg: EngineConfig, prompts, params, concurrency: int) -> list[dict]:
             before = coordinator.stats()
             load = run_load(coordinator, prompts, params, concurrency)
             after = coordinator.stats()
-            d = {k: after[k] - before[k] for k in ("num_steps", "send_s", "wait_s", "busy_s", "worker_execute_s")}
+            d = {
+                k: after[k] - before[k]
+                for k in ("num_steps", "send_s", "wait_s", "busy_s", "worker_execute_s")
+            }
             steps = d["num_steps"]
-            rows.append({"tp": cfg.tp, "drafter": cfg.drafter, "overlap": overlap, "steps": steps,
-                         "plan_out_ms": 1000 * d["send_s"] / steps,
-                         "result_back_ms": 1000 * max(d["wait_s"] - d["worker_execute_s"], 0) / steps if not overlap else None,
-                         "step_ms": 1000 * d["busy_s"] / steps, "worker_execute_ms": 1000 * d["worker_execute_s"] / steps,
-                         "coordinator_wait_fraction": d["wait_s"] / d["busy_s"],
-                         "output_tokens_per_s": load["output_tokens_per_s"]})
+            rows.append(
+                {
+                    "tp": cfg.tp,
+                    "drafter": cfg.drafter,
+                    "overlap": overlap,
+                    "steps": steps,
+                    "plan_out_ms": 1000 * d["send_s"] / steps,
+                    "result_back_ms": 1000 * max(d["wait_s"] - d["worker_execute_s"], 0) / steps
+                    if not overlap
+                    else None,
+                    "step_ms": 1000 * d["busy_s"] / steps,
+                    "worker_execute_ms": 1000 * d["worker_execute_s"] / steps,
+                    "coordinator_wait_fraction": d["wait_s"] / d["busy_s"],
+                    "output_tokens_per_s": load["output_tokens_per_s"],
+                }
+            )
     finally:
         coordinator.shutdown()
     return rows
@@ -46,21 +60,31 @@ def main():
     args = p.parse_args()
     ray.init(num_cpus=max(os.cpu_count() or 1, 4), logging_level="ERROR", log_to_driver=False)
     from workers.loader import load_tokenizer, resolve_model
+
     tokenizer = load_tokenizer(resolve_model("smollm2-135m"))
     prompts = [encode_prompt(tokenizer, q) for q in load_prompts(None, args.num_prompts)]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     rows = []
     for tp in (int(t) for t in args.tp.split(",")):
         for drafter in ("none", "default"):
-            rows += measure(EngineConfig(drafter=drafter, tp=tp, max_batch_size=4, max_model_len=1024), prompts, params, 4)
+            rows += measure(
+                EngineConfig(drafter=drafter, tp=tp, max_batch_size=4, max_model_len=1024),
+                prompts,
+                params,
+                4,
+            )
     ray.shutdown()
-    print(f"{'tp':>2} {'drafter':8} {'overlap':>7} {'plan out':>9} {'result back':>11} {'step':>8} "
-          f"{'worker':>8} {'wait frac':>9} {'tok/s':>6}")
+    print(
+        f"{'tp':>2} {'drafter':8} {'overlap':>7} {'plan out':>9} {'result back':>11} {'step':>8} "
+        f"{'worker':>8} {'wait frac':>9} {'tok/s':>6}"
+    )
     for r in rows:
         back = f"{r['result_back_ms']:.3f}ms" if r["result_back_ms"] is not None else "-"
-        print(f"{r['tp']:>2} {r['drafter']:8} {str(r['overlap']):>7} {r['plan_out_ms']:>7.3f}ms {back:>11} "
-              f"{r['step_ms']:>6.1f}ms {r['worker_execute_ms']:>6.1f}ms {r['coordinator_wait_fraction']:>9.1%} "
-              f"{r['output_tokens_per_s']:>6.1f}")
+        print(
+            f"{r['tp']:>2} {r['drafter']:8} {str(r['overlap']):>7} {r['plan_out_ms']:>7.3f}ms {back:>11} "
+            f"{r['step_ms']:>6.1f}ms {r['worker_execute_ms']:>6.1f}ms {r['coordinator_wait_fraction']:>9.1%} "
+            f"{r['output_tokens_per_s']:>6.1f}"
+        )
     with open(args.output, "w") as f:
         json.dump(rows, f, indent=1)
 

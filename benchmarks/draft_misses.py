@@ -17,6 +17,7 @@ worker's slot state.
 
     python benchmarks/draft_misses.py --device cpu --num-prompts 8 --max-tokens 128 -o FILE
 """
+
 import argparse
 import json
 import sys
@@ -29,6 +30,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from acceptance import load_sets  # noqa: E402  (benchmarks/acceptance.py)
+
 from speculative.config import EngineConfig, SamplingParams  # noqa: E402
 from speculative.engine import LLMEngine, encode_prompt  # noqa: E402
 from speculative.train.config import DistillConfig, TrainConfig  # noqa: E402
@@ -40,8 +42,9 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 def training_order(data_root: Path) -> list[str]:
     """The training prompts in the default distillation order."""
-    files = sorted(str(f) for f in (data_root / "train_prompts").glob("*.jsonl.gz")) + \
-        [str(data_root / "gsm8k" / "train.jsonl.gz")]
+    files = sorted(str(f) for f in (data_root / "train_prompts").glob("*.jsonl.gz")) + [
+        str(data_root / "gsm8k" / "train.jsonl.gz")
+    ]
     return prompt_order(read_prompts(files), DistillConfig(prompt_files=files))
 
 
@@ -59,8 +62,11 @@ def misses(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tupl
     prompt_pairs = {r.request_id: set(zip(r.prompt_ids, r.prompt_ids[1:])) for r in requests}
     counts = Counter()
     while engine.has_work:
-        verifying = [(r, r.num_verify_steps, runner.drafts[r.slot, :K].tolist())
-                     for r in requests if r.slot is not None and not r.is_finished and r.output_ids]
+        verifying = [
+            (r, r.num_verify_steps, runner.drafts[r.slot, :K].tolist())
+            for r in requests
+            if r.slot is not None and not r.is_finished and r.output_ids
+        ]
         emitted = {o.request_id: o.new_token_ids for o in engine.step()}
         for r, steps_before, drafts in verifying:
             tokens = emitted.get(r.request_id)
@@ -74,10 +80,15 @@ def misses(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tupl
             if missed_at is None:
                 continue
             sequence = r.prompt_ids + r.output_ids
-            at = len(sequence) - len(tokens) + missed_at          # the miss's position in the sequence
+            at = len(sequence) - len(tokens) + missed_at  # the miss's position in the sequence
             pair = (sequence[at - 1], sequence[at])
-            kind = "not_in_draft_vocab" if not in_vocab[pair[1]] else \
-                "copyable" if pair in prompt_pairs[r.request_id] else "other"
+            kind = (
+                "not_in_draft_vocab"
+                if not in_vocab[pair[1]]
+                else "copyable"
+                if pair in prompt_pairs[r.request_id]
+                else "other"
+            )
             counts[f"miss_{kind}"] += 1
     counts["verify_steps"] = sum(r.num_verify_steps for r in requests)
     counts["verify_emitted"] = sum(r.num_verify_emitted for r in requests)
@@ -88,55 +99,104 @@ def misses(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tupl
 def teacher_forced_accuracy(engine: LLMEngine, requests: list, depths: int) -> list[float]:
     runner = engine.executor
     drafter = runner.drafter
-    draft_to_target = (torch.arange(drafter.cfg.draft_vocab_size, device=runner.device) + drafter.d2t).long()
-    cfg = TrainConfig(model="unused", output="unused", data="unused", ttt_steps=depths, step_decay=1.0)
+    draft_to_target = (
+        torch.arange(drafter.cfg.draft_vocab_size, device=runner.device) + drafter.d2t
+    ).long()
+    cfg = TrainConfig(
+        model="unused", output="unused", data="unused", ttt_steps=depths, step_decay=1.0
+    )
     accuracies = []
     for r in requests:
-        batch = (torch.tensor([r.prompt_ids + r.output_ids]), torch.tensor([len(r.prompt_ids) + len(r.output_ids)]),
-                 torch.tensor([len(r.prompt_ids)]))
-        _, accuracy = train_step(cfg, runner.target, drafter, draft_to_target, batch, runner.device, torch.float32)
+        batch = (
+            torch.tensor([r.prompt_ids + r.output_ids]),
+            torch.tensor([len(r.prompt_ids) + len(r.output_ids)]),
+            torch.tensor([len(r.prompt_ids)]),
+        )
+        _, accuracy = train_step(
+            cfg, runner.target, drafter, draft_to_target, batch, runner.device, torch.float32
+        )
         accuracies.append(accuracy.cpu())
     return [round(a, 4) for a in torch.stack(accuracies).mean(0).tolist()]
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--drafter", default="default")
-    p.add_argument("-k", type=int, default=3, help="draft tokens (the engine) and depths (the accuracy)")
-    p.add_argument("--sets", nargs="+", default=["gsm8k", "alpaca", "sum", "qa", "train_seen", "train_unseen",
-                                                 "train_long_seen", "train_long_unseen"])
+    p.add_argument(
+        "-k", type=int, default=3, help="draft tokens (the engine) and depths (the accuracy)"
+    )
+    p.add_argument(
+        "--sets",
+        nargs="+",
+        default=[
+            "gsm8k",
+            "alpaca",
+            "sum",
+            "qa",
+            "train_seen",
+            "train_unseen",
+            "train_long_seen",
+            "train_long_unseen",
+        ],
+    )
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--prompt-lookup", type=float, default=0.0, help="EngineConfig.prompt_lookup (0: off)")
+    p.add_argument(
+        "--prompt-lookup", type=float, default=0.0, help="EngineConfig.prompt_lookup (0: off)"
+    )
     p.add_argument("--data-root", type=Path, default=DATA)
     p.add_argument("-o", "--output", type=Path)
     args = p.parse_args(argv)
-    engine = LLMEngine(EngineConfig(model=args.model, drafter=args.drafter, num_draft_tokens=args.k,
-                                    max_batch_size=args.num_prompts, device=args.device, overlap=False,
-                                    prompt_lookup=args.prompt_lookup))
-    sets = {name.removeprefix("eagle_"): texts for name, texts in load_sets(args.data_root, 0).items()}
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            drafter=args.drafter,
+            num_draft_tokens=args.k,
+            max_batch_size=args.num_prompts,
+            device=args.device,
+            overlap=False,
+            prompt_lookup=args.prompt_lookup,
+        )
+    )
+    sets = {
+        name.removeprefix("eagle_"): texts for name, texts in load_sets(args.data_root, 0).items()
+    }
     order = training_order(args.data_root)
     sets["train_seen"], sets["train_unseen"] = first_and_last(order, args.num_prompts, (0, 1500))
     # long inputs (~500-1500 tokens), like the sum set's articles; 3% of the training prompts
-    sets["train_long_seen"], sets["train_long_unseen"] = first_and_last(order, args.num_prompts, (2000, 5000))
+    sets["train_long_seen"], sets["train_long_unseen"] = first_and_last(
+        order, args.num_prompts, (2000, 5000)
+    )
     results = {}
     for name in tqdm(args.sets, desc="sets"):
-        prompts = [encode_prompt(engine.tokenizer, q) for q in sets[name][:args.num_prompts]]
+        prompts = [encode_prompt(engine.tokenizer, q) for q in sets[name][: args.num_prompts]]
         counts, requests = misses(engine, prompts, args.max_tokens)
-        results[name] = dict(counts, accuracy_by_depth=teacher_forced_accuracy(engine, requests, args.k))
+        results[name] = dict(
+            counts, accuracy_by_depth=teacher_forced_accuracy(engine, requests, args.k)
+        )
     kinds = ("not_in_draft_vocab", "copyable", "other")
-    print(f"{'set':17} {'acc len':>7} {'draft 1 hit':>11} {'misses':>7} {'not in vocab':>12} {'copyable':>9} "
-          f"{'other':>6}  accuracy by depth")
+    print(
+        f"{'set':17} {'acc len':>7} {'draft 1 hit':>11} {'misses':>7} {'not in vocab':>12} {'copyable':>9} "
+        f"{'other':>6}  accuracy by depth"
+    )
     for name, c in results.items():
         total = sum(c.get(f"miss_{k}", 0) for k in kinds)
         share = {k: c.get(f"miss_{k}", 0) / max(total, 1) for k in kinds}
-        print(f"{name:17} {c['verify_emitted'] / max(c['verify_steps'], 1):>7.2f} "
-              f"{c['first_draft_hit'] / max(c['steps'], 1):>11.2f} {total:>7} {share['not_in_draft_vocab']:>12.1%} "
-              f"{share['copyable']:>9.1%} {share['other']:>6.1%}  {' '.join(f'{a:.2f}' for a in c['accuracy_by_depth'])}")
+        print(
+            f"{name:17} {c['verify_emitted'] / max(c['verify_steps'], 1):>7.2f} "
+            f"{c['first_draft_hit'] / max(c['steps'], 1):>11.2f} {total:>7} {share['not_in_draft_vocab']:>12.1%} "
+            f"{share['copyable']:>9.1%} {share['other']:>6.1%}  {' '.join(f'{a:.2f}' for a in c['accuracy_by_depth'])}"
+        )
     if args.output:
-        args.output.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "sets": results}, indent=1))
+        args.output.write_text(
+            json.dumps(
+                {"args": {k: str(v) for k, v in vars(args).items()}, "sets": results}, indent=1
+            )
+        )
 
 
 if __name__ == "__main__":

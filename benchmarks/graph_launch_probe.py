@@ -4,6 +4,7 @@ GPU work per step is small. Prints a table, writes JSON.
 
     python3 benchmarks/graph_launch_probe.py -o $OUT/graph_launch_probe.json
 """
+
 import argparse
 import json
 import time
@@ -30,14 +31,20 @@ def launch_us(num_kernels: int, repeats: int = 200) -> dict:
         g.replay()
         host.append(time.perf_counter() - start)
         torch.cuda.synchronize()
-    start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start_event, end_event = (
+        torch.cuda.Event(enable_timing=True),
+        torch.cuda.Event(enable_timing=True),
+    )
     start_event.record()
     g.replay()
     end_event.record()
     torch.cuda.synchronize()
     host.sort()
-    return {"kernels": num_kernels, "host_launch_us_p50": round(host[len(host) // 2] * 1e6, 1),
-            "gpu_us": round(start_event.elapsed_time(end_event) * 1000, 1)}
+    return {
+        "kernels": num_kernels,
+        "host_launch_us_p50": round(host[len(host) // 2] * 1e6, 1),
+        "gpu_us": round(start_event.elapsed_time(end_event) * 1000, 1),
+    }
 
 
 def main():

@@ -5,6 +5,7 @@ fitted to the source's rows), and of the grown one with the target's rows as the
 
     python benchmarks/init_from_probe.py --source DIR --data DIR [--vocab 24576] -o FILE
 """
+
 import argparse
 import json
 import sys
@@ -22,7 +23,9 @@ from speculative.train.trainer import init_drafter, load_target, train_step  # n
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--source", required=True, help="drafter to grow from")
     p.add_argument("--data", required=True, help="directory of distilled parts")
     p.add_argument("--vocab", type=int, default=24576, help="draft vocabulary size to grow to")
@@ -30,8 +33,14 @@ def main() -> None:
     p.add_argument("--sequences", type=int, default=6)
     p.add_argument("-o", "--output", type=Path, required=True)
     args = p.parse_args()
-    cfg = TrainConfig(model=args.model, output="unused", data=args.data, draft_vocab_size=args.vocab,
-                      ttt_steps=3, device="cpu")
+    cfg = TrainConfig(
+        model=args.model,
+        output="unused",
+        data=args.data,
+        draft_vocab_size=args.vocab,
+        ttt_steps=3,
+        device="cpu",
+    )
     store = load_data(cfg.data_dir)
     target = load_target(args.model, torch.device("cpu"), torch.float32)
     # the last sequences: distilled last, so a source trained on earlier data has not seen them
@@ -40,12 +49,16 @@ def main() -> None:
     def accuracy(drafter) -> list[float]:
         draft_to_target = (torch.arange(drafter.cfg.draft_vocab_size) + drafter.d2t).long()
         with torch.no_grad():
-            _, acc = train_step(cfg, target, drafter, draft_to_target, batch, torch.device("cpu"), torch.float32)
+            _, acc = train_step(
+                cfg, target, drafter, draft_to_target, batch, torch.device("cpu"), torch.float32
+            )
         return [round(float(a), 3) for a in acc]
 
     source = load_drafter(Path(args.source), target_embeddings=target.embed_tokens)
     with tempfile.TemporaryDirectory() as tmp:
-        grown = init_drafter(cfg.model_copy(update={"init_from": args.source}), target, store, Path(tmp))
+        grown = init_drafter(
+            cfg.model_copy(update={"init_from": args.source}), target, store, Path(tmp)
+        )
     rows = {"source": accuracy(source), "grown, affine map (init_drafter)": accuracy(grown)}
     ids = (torch.arange(args.vocab) + grown.d2t).long()
     is_new = ~source.t2d.bool()[ids]
@@ -55,8 +68,18 @@ def main() -> None:
     print(f"{'drafter':<36} accuracy by depth (teacher-forced, {args.sequences} sequences)")
     for name, acc in rows.items():
         print(f"{name:<36} {' '.join(f'{a:.3f}' for a in acc)}")
-    args.output.write_text(json.dumps({"source": args.source, "vocab": args.vocab, "new_rows": int(is_new.sum()),
-                                       "accuracy_by_depth": rows}, indent=2) + "\n")
+    args.output.write_text(
+        json.dumps(
+            {
+                "source": args.source,
+                "vocab": args.vocab,
+                "new_rows": int(is_new.sum()),
+                "accuracy_by_depth": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

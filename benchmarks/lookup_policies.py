@@ -16,6 +16,7 @@ Rules (`name:params`):
     python benchmarks/lookup_policies.py --device cpu --rules off p:0.8:4 p:0.8:3 boost:4:3 \
         --sets sum alpaca -o FILE
 """
+
 import argparse
 import json
 import sys
@@ -26,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from acceptance import EAGLE_SETS, load_sets, measure  # noqa: E402  (benchmarks/acceptance.py)
+
 from speculative.config import EngineConfig  # noqa: E402
 from speculative.engine import LLMEngine, encode_prompt  # noqa: E402
 from speculative.prompt_lookup import lookup  # noqa: E402
@@ -76,29 +78,46 @@ def make_rule(runner, spec: str):
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--drafter", default="default")
     p.add_argument("-k", type=int, default=3)
-    p.add_argument("--rules", nargs="+", default=["off", "p:0.8:4", "p:0.8:3", "boost:4:3", "longest:0.8"])
+    p.add_argument(
+        "--rules", nargs="+", default=["off", "p:0.8:4", "p:0.8:3", "boost:4:3", "longest:0.8"]
+    )
     p.add_argument("--sets", nargs="+", default=list(EAGLE_SETS), choices=EAGLE_SETS)
     p.add_argument("--num-prompts", type=int, default=80, help="first N prompts of each set")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--max-batch-size", type=int, default=80)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--data-root", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data")
+    p.add_argument(
+        "--data-root", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data"
+    )
     p.add_argument("-o", "--output", type=Path)
     args = p.parse_args(argv)
     # prompt_lookup > 0 so that the runner keeps the token history; the rules decide the rest. No
     # CUDA graphs: they would keep the `_propose` they were captured with
-    engine = LLMEngine(EngineConfig(model=args.model, drafter=args.drafter, num_draft_tokens=args.k,
-                                    max_batch_size=args.max_batch_size, max_model_len=2048,
-                                    max_num_batched_tokens=16384, device=args.device, prompt_lookup=1.0,
-                                    cuda_graphs=False))
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            drafter=args.drafter,
+            num_draft_tokens=args.k,
+            max_batch_size=args.max_batch_size,
+            max_model_len=2048,
+            max_num_batched_tokens=16384,
+            device=args.device,
+            prompt_lookup=1.0,
+            cuda_graphs=False,
+        )
+    )
     engine.scheduler.tokenizer = None
     runner = engine.executor
-    sets = {name: [encode_prompt(engine.tokenizer, t) for t in texts[:args.num_prompts]]
-            for name, texts in load_sets(args.data_root, 0, args.sets).items()}
+    sets = {
+        name: [encode_prompt(engine.tokenizer, t) for t in texts[: args.num_prompts]]
+        for name, texts in load_sets(args.data_root, 0, args.sets).items()
+    }
     results = []
     for rule in args.rules:
         runner._propose = make_rule(runner, rule)
@@ -107,14 +126,19 @@ def main(argv=None) -> None:
             results.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     names = list(sets)
-    print(f"acceptance length, K={args.k} greedy, {args.num_prompts} prompts a set, {args.max_tokens} tokens")
+    print(
+        f"acceptance length, K={args.k} greedy, {args.num_prompts} prompts a set, {args.max_tokens} tokens"
+    )
     print("| rule | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
     for rule in args.rules:
         cells = {r["set"]: r["acceptance_length"] for r in results if r["rule"] == rule}
         print(f"| {rule} | " + " | ".join(f"{cells[n]:.3f}" for n in names) + " |")
     if args.output:
-        args.output.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                           "results": results}, indent=2))
+        args.output.write_text(
+            json.dumps(
+                {"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=2
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 much of a large-batch step the coordinator's own bookkeeping can explain. Synthetic results (plain:
 one token a row; EAGLE-3: 1..K+1 tokens a row), greedy requests that never finish. Prints a table,
 writes JSON."""
+
 import argparse
 import json
 import sys
@@ -21,7 +22,11 @@ def time_steps(batch: int, k: int, num_steps: int, seed: int = 0) -> float:
     rng = np.random.default_rng(seed)
     s = Scheduler(batch, 1 << 20, batch * 256, k, {2}, None, 0, vocab_size=49152)
     for i in range(batch):
-        s.add(f"r{i}", rng.integers(100, 40000, 128).tolist(), SamplingParams(temperature=0.0, max_tokens=1 << 19))
+        s.add(
+            f"r{i}",
+            rng.integers(100, 40000, 128).tolist(),
+            SamplingParams(temperature=0.0, max_tokens=1 << 19),
+        )
     tokens = rng.integers(100, 40000, (batch, k + 1))
     emitted = rng.integers(1, k + 2, batch)
 
@@ -30,6 +35,7 @@ def time_steps(batch: int, k: int, num_steps: int, seed: int = 0) -> float:
         rows = len(plan.prefills) + len(plan.decode_slots)
         s.process(plan, StepResult(plan.step_id, tokens[:rows], emitted[:rows]))
         return s.num_running + s.num_waiting  # what a driver loop reads every step
+
     for _ in range(10):
         step()
     start = time.perf_counter()
@@ -50,7 +56,14 @@ def main() -> None:
     for batch in args.batch:
         for k in args.k:
             seconds = time_steps(batch, k, args.steps)
-            rows.append({"batch": batch, "k": k, "ms_per_step": seconds * 1e3, "us_per_row": seconds / batch * 1e6})
+            rows.append(
+                {
+                    "batch": batch,
+                    "k": k,
+                    "ms_per_step": seconds * 1e3,
+                    "us_per_row": seconds / batch * 1e6,
+                }
+            )
             print(f"{batch:>6} {k:>3} {seconds * 1e3:>8.2f} {seconds / batch * 1e6:>7.1f}")
     Path(args.output).write_text(json.dumps({"steps": args.steps, "results": rows}, indent=2))
 

@@ -5,6 +5,7 @@ call, replayed 100 times in one graph. Prints a table, writes JSON.
 
     python3 benchmarks/sdpa_probe.py -o $OUT/sdpa_probe.json
 """
+
 import argparse
 import json
 
@@ -40,10 +41,13 @@ def case(H, KV, D, B, T, S, dev="cuda", dt=torch.bfloat16) -> dict:
     v = torch.randn(B, S, KV, D, device=dev, dtype=dt).transpose(1, 2)
     pos = torch.randint(S // 2, S, (B, T), device=dev)
     bias = torch.zeros(B, 1, T, S, device=dev, dtype=dt).masked_fill_(
-        torch.arange(S, device=dev) > pos[:, None, :, None], float("-inf"))
+        torch.arange(S, device=dev) > pos[:, None, :, None], float("-inf")
+    )
 
     def gqa():
-        o = F.scaled_dot_product_attention(qkv[:, :, :H].transpose(1, 2), k, v, attn_mask=bias, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            qkv[:, :, :H].transpose(1, 2), k, v, attn_mask=bias, enable_gqa=True
+        )
         return o.transpose(1, 2).reshape(B, T, H * D)
 
     def fold():
@@ -51,11 +55,21 @@ def case(H, KV, D, B, T, S, dev="cuda", dt=torch.bfloat16) -> dict:
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=folded_bias)
         return o.reshape(B, KV, T, G * D).transpose(1, 2).reshape(B, T, H * D)
 
-    folded_bias = bias.unsqueeze(3).expand(B, 1, T, G, S).reshape(B, 1, T * G, S)  # once per forward
+    folded_bias = (
+        bias.unsqueeze(3).expand(B, 1, T, G, S).reshape(B, 1, T * G, S)
+    )  # once per forward
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         err = (gqa().float() - fold().float()).abs().max().item()
-        return {"H": H, "KV": KV, "B": B, "T": T, "S": S, "gqa_us": round(graphed_us(gqa), 2),
-                "fold_us": round(graphed_us(fold), 2), "max_diff": err}
+        return {
+            "H": H,
+            "KV": KV,
+            "B": B,
+            "T": T,
+            "S": S,
+            "gqa_us": round(graphed_us(gqa), 2),
+            "fold_us": round(graphed_us(fold), 2),
+            "max_diff": err,
+        }
 
 
 def main():
@@ -63,14 +77,21 @@ def main():
     p.add_argument("-o", "--output", default="sdpa_probe.json")
     args = p.parse_args()
     rows = []
-    shapes = [(B, T, S) for T in (1, 4, 6) for B in (1, 4, 8, 16, 32, 64) for S in (256, 1024)] + \
-        [(1, 256, 256), (4, 512, 512), (8, 256, 256), (1, 2048, 2048)]
+    shapes = [(B, T, S) for T in (1, 4, 6) for B in (1, 4, 8, 16, 32, 64) for S in (256, 1024)] + [
+        (1, 256, 256),
+        (4, 512, 512),
+        (8, 256, 256),
+        (1, 2048, 2048),
+    ]
     for H, KV, D in ((9, 3, 64), (32, 8, 128)):
         for B, T, S in shapes:
             rows.append(case(H, KV, D, B, T, S))
             r = rows[-1]
-            print(f"H{H:<3}KV{KV:<2}B{B:<4}T{T:<5}S{S:<5} gqa {r['gqa_us']:7.2f} us  fold {r['fold_us']:7.2f} us  "
-                  f"{r['fold_us'] / r['gqa_us']:5.2f}x  diff {r['max_diff']:.3g}", flush=True)
+            print(
+                f"H{H:<3}KV{KV:<2}B{B:<4}T{T:<5}S{S:<5} gqa {r['gqa_us']:7.2f} us  fold {r['fold_us']:7.2f} us  "
+                f"{r['fold_us'] / r['gqa_us']:5.2f}x  diff {r['max_diff']:.3g}",
+                flush=True,
+            )
     with open(args.output, "w") as f:
         json.dump(rows, f, indent=1)
 

@@ -2,6 +2,7 @@
 rank 0 receives it, finishes launching, has the results on the host; the coordinator gets them),
 for plain and EAGLE-3 with overlap on and off. Answers "why is overlap not faster" with numbers.
 Prints a table per configuration, writes the summaries and the raw timelines as JSON."""
+
 import argparse
 import json
 from itertools import pairwise
@@ -15,9 +16,12 @@ from speculative.config import EngineConfig, SamplingParams
 def summarise(trace: list[dict], wall_s: float) -> dict:
     def ms(values):
         return float(np.mean(values) * 1000) if values else None
+
     out = {"num_steps": len(trace), "steps_per_s": len(trace) / wall_s}
-    for kind, rows in (("prefill", [t for t in trace if t["num_prefills"]]),
-                       ("decode", [t for t in trace if not t["num_prefills"]])):
+    for kind, rows in (
+        ("prefill", [t for t in trace if t["num_prefills"]]),
+        ("decode", [t for t in trace if not t["num_prefills"]]),
+    ):
         out[kind] = {
             "num": len(rows),
             "plan_to_worker_ms": ms([t["received_at"] - t["sent_at"] for t in rows]),
@@ -48,14 +52,22 @@ def main():
     p.add_argument("-o", "--output", default="benchmarks/step_trace.json")
     args = p.parse_args()
     import ray
+
     from speculative.coordinator import Coordinator
     from speculative.engine import encode_prompt
+
     ray.init(include_dashboard=False, num_cpus=4, log_to_driver=False)
     batches = [int(b) for b in args.batch.split(",")]
     results = []
     for drafter in ("none", args.drafter):
-        cfg = EngineConfig(model=args.model, drafter=drafter, num_draft_tokens=args.k, max_batch_size=max(batches),
-                           max_model_len=1024, device=args.device)
+        cfg = EngineConfig(
+            model=args.model,
+            drafter=drafter,
+            num_draft_tokens=args.k,
+            max_batch_size=max(batches),
+            max_model_len=1024,
+            device=args.device,
+        )
         coordinator = Coordinator(cfg)
         prompts = [encode_prompt(coordinator.tokenizer, q) for q in load_prompts(args.dataset, 64)]
         params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
@@ -65,12 +77,20 @@ def main():
                 for overlap in (True, False):
                     coordinator.engine.overlap = overlap
                     coordinator.executor.trace = []
-                    load = run_load(coordinator, prompts[:2 * batch], params, batch)
+                    load = run_load(coordinator, prompts[: 2 * batch], params, batch)
                     trace, coordinator.executor.trace = coordinator.executor.trace, None
                     summary = summarise(trace, load["wall_s"])
-                    results.append({"mode": "plain" if drafter == "none" else "eagle", "batch": batch,
-                                    "overlap": overlap, "tokens_per_s": load["output_tokens_per_s"],
-                                    "ttft_p50_ms": load["ttft_ms"]["p50"], **summary, "trace": trace})
+                    results.append(
+                        {
+                            "mode": "plain" if drafter == "none" else "eagle",
+                            "batch": batch,
+                            "overlap": overlap,
+                            "tokens_per_s": load["output_tokens_per_s"],
+                            "ttft_p50_ms": load["ttft_ms"]["p50"],
+                            **summary,
+                            "trace": trace,
+                        }
+                    )
                     print_row(results[-1])
         finally:
             coordinator.shutdown()
@@ -82,15 +102,20 @@ def main():
 def print_row(r: dict) -> None:
     def f(x):
         return "-" if x is None else f"{x:6.2f}"
-    print(f"{r['mode']:5} b={r['batch']:<3} overlap={str(r['overlap']):5} {r['tokens_per_s']:8.1f} tok/s  "
-          f"ttft {r['ttft_p50_ms']:6.1f} ms  steps/s {r['steps_per_s']:7.1f}  gap {f(r['coordinator_gap_ms'])}  "
-          f"idle {f(r['worker_idle_ms'])}")
+
+    print(
+        f"{r['mode']:5} b={r['batch']:<3} overlap={str(r['overlap']):5} {r['tokens_per_s']:8.1f} tok/s  "
+        f"ttft {r['ttft_p50_ms']:6.1f} ms  steps/s {r['steps_per_s']:7.1f}  gap {f(r['coordinator_gap_ms'])}  "
+        f"idle {f(r['worker_idle_ms'])}"
+    )
     for kind in ("prefill", "decode"):
         k = r[kind]
         if k["num"]:
-            print(f"    {kind:7} n={k['num']:<4} to-worker {f(k['plan_to_worker_ms'])} launch {f(k['launch_ms'])} "
-                  f"launch->ready {f(k['launch_to_ready_ms'])} device {f(k['device_ms'])} "
-                  f"ready->coord {f(k['ready_to_coordinator_ms'])}")
+            print(
+                f"    {kind:7} n={k['num']:<4} to-worker {f(k['plan_to_worker_ms'])} launch {f(k['launch_ms'])} "
+                f"launch->ready {f(k['launch_to_ready_ms'])} device {f(k['device_ms'])} "
+                f"ready->coord {f(k['ready_to_coordinator_ms'])}"
+            )
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 in the manner of trtllm-bench / vllm bench. Every combination of the given modes, K values, CUDA
 graphs on/off, overlap on/off and batch sizes runs on the same prompts; one engine per
 (speculation, K, graphs), reused across batch sizes and overlap settings."""
+
 import itertools
 import queue
 import threading
@@ -25,11 +26,19 @@ def load_prompts(path: str | None, num: int) -> list[str]:
     prompts = []
     for where, row in read_rows(path):
         try:
-            prompt = row["prompt"] if "prompt" in row else row["question"] if "question" in row else row["turns"][0]
+            prompt = (
+                row["prompt"]
+                if "prompt" in row
+                else row["question"]
+                if "question" in row
+                else row["turns"][0]
+            )
         except (TypeError, KeyError, IndexError):
             prompt = None
         if not isinstance(prompt, str) or not prompt:
-            raise ValueError(f"{where}: expected a JSON object with a non-empty prompt, question or turns[0]")
+            raise ValueError(
+                f"{where}: expected a JSON object with a non-empty prompt, question or turns[0]"
+            )
         prompts.append(prompt)
         if len(prompts) == num:
             break
@@ -42,7 +51,11 @@ def _percentiles(values: list[float]) -> dict:
     if not values:
         return {"p50": None, "p90": None, "p99": None}
     a = np.array(values) * 1000
-    return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
+    return {
+        "p50": float(np.percentile(a, 50)),
+        "p90": float(np.percentile(a, 90)),
+        "p99": float(np.percentile(a, 99)),
+    }
 
 
 class GpuUtilization:
@@ -65,7 +78,9 @@ class GpuUtilization:
             except ImportError:
                 from ray._private.thirdparty import pynvml  # Ray's own copy
             pynvml.nvmlInit()
-            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            self._handles = [
+                pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())
+            ]
             self._nvml = pynvml
         except Exception:  # no pynvml, no driver, no GPU
             pass
@@ -73,7 +88,9 @@ class GpuUtilization:
     def _poll(self) -> None:
         try:
             while not self._stop.wait(self.interval_s):
-                self.samples.append([self._nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self._handles])
+                self.samples.append(
+                    [self._nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self._handles]
+                )
         except Exception:  # e.g. a GPU that reports no utilization: keep what was read
             pass
 
@@ -96,8 +113,13 @@ class GpuUtilization:
         return max(sum(gpu) / len(gpu) for gpu in zip(*self.samples)) / 100
 
 
-def run_load(coordinator, prompts: list[list[int]], params: SamplingParams, concurrency: int,
-             measure_gpu: bool = True) -> dict:
+def run_load(
+    coordinator,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    concurrency: int,
+    measure_gpu: bool = True,
+) -> dict:
     """Keep `concurrency` requests in flight until all prompts are done; time every delta."""
     sink: queue.Queue = queue.Queue()
     before = coordinator.stats()
@@ -134,59 +156,121 @@ def run_load(coordinator, prompts: list[list[int]], params: SamplingParams, conc
     accepted = after["draft_accepted"] - before["draft_accepted"]
     rows = after["num_rows"] - before["num_rows"]
     return {
-        "num_requests": len(prompts), "output_tokens": tokens, "wall_s": wall,
-        "output_tokens_per_s": tokens / wall, "requests_per_s": len(prompts) / wall,
+        "num_requests": len(prompts),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "output_tokens_per_s": tokens / wall,
+        "requests_per_s": len(prompts) / wall,
         "mean_acceptance_length": 1 + accepted / verify_rows if verify_rows else 1.0,
-        "acceptance_per_position": [(a - b) / verify_rows if verify_rows else 0.0
-                                    for a, b in zip(after["accepted_at"], before["accepted_at"])],
+        "acceptance_per_position": [
+            (a - b) / verify_rows if verify_rows else 0.0
+            for a, b in zip(after["accepted_at"], before["accepted_at"])
+        ],
         "ttft_ms": _percentiles([first_at[r] - sent_at[r] for r in first_at]),
         "itl_ms": _percentiles(itl),
         # CUDA events from each step's first kernel to its results copy: gaps inside a step count
         # as busy, so with overlap this reads ~100% whatever the GPU does (nvml_busy_fraction does not)
-        "gpu_busy_fraction": (after["device_s"] - device_before) / wall if after["device_s"] else None,
+        "gpu_busy_fraction": (after["device_s"] - device_before) / wall
+        if after["device_s"]
+        else None,
         "nvml_busy_fraction": utilization.busy_fraction,
-        "extra_pass_share": (after["num_extra_rows"] - before["num_extra_rows"]) / rows if rows else 0.0,
+        "extra_pass_share": (after["num_extra_rows"] - before["num_extra_rows"]) / rows
+        if rows
+        else 0.0,
         "coordinator_wait_fraction": (after["wait_s"] - before["wait_s"]) / wall,
     }
 
 
-def bench(model: str, drafter: str, ks: list[int], modes: list[str], graphs: list[bool], overlaps: list[bool],
-          batches: list[int], prompts_text: list[str], output_len: int, ignore_eos: bool, device: str,
-          max_model_len: int, prompts_per_batch: int, graph_first_draft: bool = False,
-          prompt_lookup: float = 0.0, logprobs: int | None = None, siblings: list[int] = (0,),
-          temperature: float = 0.0) -> list[dict]:
+def bench(
+    model: str,
+    drafter: str,
+    ks: list[int],
+    modes: list[str],
+    graphs: list[bool],
+    overlaps: list[bool],
+    batches: list[int],
+    prompts_text: list[str],
+    output_len: int,
+    ignore_eos: bool,
+    device: str,
+    max_model_len: int,
+    prompts_per_batch: int,
+    graph_first_draft: bool = False,
+    prompt_lookup: float = 0.0,
+    logprobs: int | None = None,
+    siblings: list[int] = (0,),
+    temperature: float = 0.0,
+) -> list[dict]:
     from speculative.coordinator import Coordinator
     from speculative.engine import encode_prompt
     from workers.loader import load_tokenizer, resolve_model
+
     tokenizer = load_tokenizer(resolve_model(model))
     if tokenizer is None:
         raise ValueError(f"model {model!r} has no tokenizer to encode the benchmark's prompts")
     prompts = [encode_prompt(tokenizer, p) for p in prompts_text]
-    params = SamplingParams(max_tokens=output_len, ignore_eos=ignore_eos, logprobs=logprobs, temperature=temperature)
-    engines = [(m, k, s, g) for m in modes for k in (ks if m == "eagle" else [0])
-               for s in (siblings if m == "eagle" else [0]) for g in graphs]
+    params = SamplingParams(
+        max_tokens=output_len, ignore_eos=ignore_eos, logprobs=logprobs, temperature=temperature
+    )
+    engines = [
+        (m, k, s, g)
+        for m in modes
+        for k in (ks if m == "eagle" else [0])
+        for s in (siblings if m == "eagle" else [0])
+        for g in graphs
+    ]
     runs = []
     # plain decoding runs once per batch size, with the first overlap setting asked for
-    bar = tqdm(total=sum(len(batches) * (len(overlaps) if m == "eagle" else 1) for m, *_ in engines), desc="bench")
+    bar = tqdm(
+        total=sum(len(batches) * (len(overlaps) if m == "eagle" else 1) for m, *_ in engines),
+        desc="bench",
+    )
     for mode, k, num_siblings, use_graphs in engines:
-        cfg = EngineConfig(model=model, drafter=drafter if mode == "eagle" else "none", num_draft_tokens=max(k, 1),
-                           max_batch_size=max(batches), max_model_len=max_model_len, device=device,
-                           cuda_graphs=use_graphs, graph_first_draft=graph_first_draft,
-                           prompt_lookup=prompt_lookup if mode == "eagle" else 0.0, draft_siblings=num_siblings)
+        cfg = EngineConfig(
+            model=model,
+            drafter=drafter if mode == "eagle" else "none",
+            num_draft_tokens=max(k, 1),
+            max_batch_size=max(batches),
+            max_model_len=max_model_len,
+            device=device,
+            cuda_graphs=use_graphs,
+            graph_first_draft=graph_first_draft,
+            prompt_lookup=prompt_lookup if mode == "eagle" else 0.0,
+            draft_siblings=num_siblings,
+        )
         start = time.perf_counter()
         coordinator = Coordinator(cfg)
         startup_s = time.perf_counter() - start
         try:
             run_load(coordinator, prompts[:2], params, 2)  # warm-up
-            for batch, overlap in itertools.product(batches, overlaps if mode == "eagle" else overlaps[:1]):
+            for batch, overlap in itertools.product(
+                batches, overlaps if mode == "eagle" else overlaps[:1]
+            ):
                 coordinator.engine.overlap = overlap
                 n = max(prompts_per_batch, 2 * batch)
-                result = run_load(coordinator, (prompts * (n // len(prompts) + 1))[:n], params, batch,
-                                  measure_gpu=device != "cpu")
-                runs.append({"mode": mode, "k": k, "siblings": num_siblings, "cuda_graphs": use_graphs, "overlap": overlap, "batch": batch,
-                             "graph_first_draft": graph_first_draft and use_graphs and mode == "eagle",
-                             "prompt_lookup": cfg.prompt_lookup, "logprobs": logprobs, "temperature": temperature,
-                             "startup_s": startup_s, **result})
+                result = run_load(
+                    coordinator,
+                    (prompts * (n // len(prompts) + 1))[:n],
+                    params,
+                    batch,
+                    measure_gpu=device != "cpu",
+                )
+                runs.append(
+                    {
+                        "mode": mode,
+                        "k": k,
+                        "siblings": num_siblings,
+                        "cuda_graphs": use_graphs,
+                        "overlap": overlap,
+                        "batch": batch,
+                        "graph_first_draft": graph_first_draft and use_graphs and mode == "eagle",
+                        "prompt_lookup": cfg.prompt_lookup,
+                        "logprobs": logprobs,
+                        "temperature": temperature,
+                        "startup_s": startup_s,
+                        **result,
+                    }
+                )
                 bar.update()
         finally:
             coordinator.shutdown()
@@ -195,8 +279,10 @@ def bench(model: str, drafter: str, ks: list[int], modes: list[str], graphs: lis
 
 
 def print_table(runs: list[dict]) -> None:
-    head = f"{'mode':6} {'K':>2} {'M':>2} {'graphs':>6} {'ovl':>4} {'batch':>5} {'tok/s':>9} {'req/s':>7} {'acc len':>7} " \
-           f"{'ttft p50':>9} {'itl p50':>8} {'gpu busy':>8} {'nvml':>5} {'extra':>6}"
+    head = (
+        f"{'mode':6} {'K':>2} {'M':>2} {'graphs':>6} {'ovl':>4} {'batch':>5} {'tok/s':>9} {'req/s':>7} {'acc len':>7} "
+        f"{'ttft p50':>9} {'itl p50':>8} {'gpu busy':>8} {'nvml':>5} {'extra':>6}"
+    )
     print(head)
 
     def percent(x):
@@ -206,27 +292,38 @@ def print_table(runs: list[dict]) -> None:
         return f"{x:.{digits}f}m" if x is not None else "-"
 
     for r in runs:
-        print(f"{r['mode']:6} {r['k']:>2} {r.get('siblings', 0):>2} {str(r['cuda_graphs']):>6} {str(r['overlap']):>4} {r['batch']:>5} "
-              f"{r['output_tokens_per_s']:>9.1f} {r['requests_per_s']:>7.2f} {r['mean_acceptance_length']:>7.2f} "
-              f"{ms(r['ttft_ms']['p50'], 1):>9} {ms(r['itl_ms']['p50'], 2):>8} {percent(r['gpu_busy_fraction']):>8} "
-              f"{percent(r['nvml_busy_fraction']):>5} {r['extra_pass_share']:>6.1%}")
+        print(
+            f"{r['mode']:6} {r['k']:>2} {r.get('siblings', 0):>2} {str(r['cuda_graphs']):>6} {str(r['overlap']):>4} {r['batch']:>5} "
+            f"{r['output_tokens_per_s']:>9.1f} {r['requests_per_s']:>7.2f} {r['mean_acceptance_length']:>7.2f} "
+            f"{ms(r['ttft_ms']['p50'], 1):>9} {ms(r['itl_ms']['p50'], 2):>8} {percent(r['gpu_busy_fraction']):>8} "
+            f"{percent(r['nvml_busy_fraction']):>5} {r['extra_pass_share']:>6.1%}"
+        )
 
 
 def plot(runs: list[dict], path: Path) -> bool:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed: no plot")
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    keys = sorted({(r["mode"], r["k"], r.get("siblings", 0), r["cuda_graphs"], r["overlap"]) for r in runs})
+    keys = sorted(
+        {(r["mode"], r["k"], r.get("siblings", 0), r["cuda_graphs"], r["overlap"]) for r in runs}
+    )
     for mode, k, m, g, o in keys:
-        pts = sorted((r["batch"], r["output_tokens_per_s"]) for r in runs
-                     if (r["mode"], r["k"], r.get("siblings", 0), r["cuda_graphs"], r["overlap"]) == (mode, k, m, g, o))
-        label = f"{mode}{f' K={k}' if k else ''}{f' M={m}' if m else ''}{' graphs' if g else ''}" \
-                f"{' overlap' if o and mode == 'eagle' else ''}"
+        pts = sorted(
+            (r["batch"], r["output_tokens_per_s"])
+            for r in runs
+            if (r["mode"], r["k"], r.get("siblings", 0), r["cuda_graphs"], r["overlap"])
+            == (mode, k, m, g, o)
+        )
+        label = (
+            f"{mode}{f' K={k}' if k else ''}{f' M={m}' if m else ''}{' graphs' if g else ''}"
+            f"{' overlap' if o and mode == 'eagle' else ''}"
+        )
         ax.plot(*zip(*pts), marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size (concurrent requests)")

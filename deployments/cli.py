@@ -1,4 +1,5 @@
 """`eagleserve`: generate offline, serve over HTTP, train drafters, benchmark, load-test a server."""
+
 import argparse
 import json
 import logging
@@ -8,40 +9,80 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-
-ENGINE_FLAGS = ("model", "drafter", "num_draft_tokens", "max_batch_size", "max_model_len", "device", "dtype", "tp",
-                "prompt_lookup", "draft_siblings")
+ENGINE_FLAGS = (
+    "model",
+    "drafter",
+    "num_draft_tokens",
+    "max_batch_size",
+    "max_model_len",
+    "device",
+    "dtype",
+    "tp",
+    "prompt_lookup",
+    "draft_siblings",
+)
 
 
 def _engine_args(p: argparse.ArgumentParser, with_defaults: bool = True) -> None:
     """Engine flags; without defaults (serve), unset flags leave the config file's values alone."""
     d = (lambda v: v) if with_defaults else (lambda v: None)  # noqa: E731
-    p.add_argument("--model", default=d("smollm2-135m"), help="model name, HF directory or .gguf file")
-    p.add_argument("--drafter", default=d("default"), help="'default', 'none' or an EAGLE-3 drafter directory")
-    p.add_argument("--num-draft-tokens", "-k", type=int, default=d(5), help="draft tokens per step (K)")
+    p.add_argument(
+        "--model", default=d("smollm2-135m"), help="model name, HF directory or .gguf file"
+    )
+    p.add_argument(
+        "--drafter", default=d("default"), help="'default', 'none' or an EAGLE-3 drafter directory"
+    )
+    p.add_argument(
+        "--num-draft-tokens", "-k", type=int, default=d(5), help="draft tokens per step (K)"
+    )
     p.add_argument("--max-batch-size", type=int, default=d(8))
     p.add_argument("--max-model-len", type=int, default=d(2048))
     p.add_argument("--device", default=d("auto"), choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default=d("auto"), choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--tp", type=int, default=d(1), help="tensor-parallel size (runs on Ray when > 1)")
-    p.add_argument("--no-overlap", action="store_true", help="process each step's results before the next")
-    p.add_argument("--prompt-lookup", type=float, default=d(0.0), metavar="P",
-                   help="draft the token that followed the last five tokens earlier in the request where "
-                        "the drafter's own draft has probability below P (0: off)")
-    p.add_argument("--draft-siblings", type=int, default=d(0), metavar="M",
-                   help="verify the drafter's next M choices at every draft depth too, in the same pass (0: a chain)")
+    p.add_argument(
+        "--tp", type=int, default=d(1), help="tensor-parallel size (runs on Ray when > 1)"
+    )
+    p.add_argument(
+        "--no-overlap", action="store_true", help="process each step's results before the next"
+    )
+    p.add_argument(
+        "--prompt-lookup",
+        type=float,
+        default=d(0.0),
+        metavar="P",
+        help="draft the token that followed the last five tokens earlier in the request where "
+        "the drafter's own draft has probability below P (0: off)",
+    )
+    p.add_argument(
+        "--draft-siblings",
+        type=int,
+        default=d(0),
+        metavar="M",
+        help="verify the drafter's next M choices at every draft depth too, in the same pass (0: a chain)",
+    )
 
 
 def _engine_config(args):
     from speculative.config import EngineConfig
-    return EngineConfig(model=args.model, drafter=args.drafter, num_draft_tokens=args.num_draft_tokens,
-                        max_batch_size=args.max_batch_size, max_model_len=args.max_model_len,
-                        device=args.device, dtype=args.dtype, tp=args.tp, overlap=not args.no_overlap,
-                        prompt_lookup=args.prompt_lookup, draft_siblings=args.draft_siblings)
+
+    return EngineConfig(
+        model=args.model,
+        drafter=args.drafter,
+        num_draft_tokens=args.num_draft_tokens,
+        max_batch_size=args.max_batch_size,
+        max_model_len=args.max_model_len,
+        device=args.device,
+        dtype=args.dtype,
+        tp=args.tp,
+        overlap=not args.no_overlap,
+        prompt_lookup=args.prompt_lookup,
+        draft_siblings=args.draft_siblings,
+    )
 
 
 def _read_jsonl(path: Path) -> list[dict]:
     from speculative.jsonl import read_rows
+
     rows = []
     try:
         for where, row in read_rows(path):
@@ -58,13 +99,19 @@ def cmd_generate(args) -> None:
     from speculative.engine import encode_prompt
     from speculative.scheduler import RequestError
     from workers.loader import load_tokenizer, resolve_model
+
     if not args.input.is_file():
         raise SystemExit(f"error: input file {args.input} does not exist")
     rows = _read_jsonl(args.input)
     if not rows:
         raise SystemExit(f"error: {args.input}: no prompts")
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    params = SamplingParams(
+        temperature=args.temperature,
+        max_tokens=args.max_tokens,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
     cfg = _engine_config(args)
     tokenizer = load_tokenizer(resolve_model(cfg.model))
     prompts = [encode_prompt(tokenizer, row["prompt"], args.raw) for row in rows]
@@ -74,12 +121,24 @@ def cmd_generate(args) -> None:
         raise SystemExit(f"error: {e}")
     with open(args.output, "w") as f:
         for i, (row, r) in enumerate(zip(rows, results)):
-            f.write(json.dumps({"id": row.get("id", i), "text": tokenizer.decode(r["token_ids"], skip_special_tokens=True),
-                                "token_ids": r["token_ids"], "num_tokens": len(r["token_ids"]),
-                                "acceptance_length": round(r["acceptance_length"], 4),
-                                "finish_reason": r["finish_reason"]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "id": row.get("id", i),
+                        "text": tokenizer.decode(r["token_ids"], skip_special_tokens=True),
+                        "token_ids": r["token_ids"],
+                        "num_tokens": len(r["token_ids"]),
+                        "acceptance_length": round(r["acceptance_length"], 4),
+                        "finish_reason": r["finish_reason"],
+                    }
+                )
+                + "\n"
+            )
     mean = sum(r["acceptance_length"] for r in results) / max(len(results), 1)
-    print(f"wrote {len(results)} rows to {args.output} (mean acceptance length {mean:.2f})", file=sys.stderr)
+    print(
+        f"wrote {len(results)} rows to {args.output} (mean acceptance length {mean:.2f})",
+        file=sys.stderr,
+    )
 
 
 def run_to_completion(cfg, prompts: list[list[int]], params) -> list[dict]:
@@ -87,13 +146,22 @@ def run_to_completion(cfg, prompts: list[list[int]], params) -> list[dict]:
     by the coordinator actor."""
     if cfg.tp == 1:
         from speculative.engine import LLMEngine
+
         requests = LLMEngine(cfg).generate(prompts, params)
-        return [{"token_ids": r.output_ids, "finish_reason": r.finish_reason,
-                 "acceptance_length": r.acceptance_length} for r in requests]
+        return [
+            {
+                "token_ids": r.output_ids,
+                "finish_reason": r.finish_reason,
+                "acceptance_length": r.acceptance_length,
+            }
+            for r in requests
+        ]
     import ray
+
     from speculative.coordinator import CoordinatorActor
     from speculative.drafter import drafter_dir
     from speculative.executor import check_tp_size
+
     check_tp_size(cfg)  # what fails here would fail in every worker, with Ray's tracebacks
     if cfg.drafter not in ("none", "default"):
         drafter_dir(cfg.drafter)
@@ -105,7 +173,9 @@ def run_to_completion(cfg, prompts: list[list[int]], params) -> list[dict]:
         try:
             return ray.get(coordinator.generate.remote(prompts, params))
         except ray.exceptions.RayTaskError as e:
-            raise (e.cause or e) from None  # the error itself (a bad request, say), not Ray's traceback
+            raise (
+                e.cause or e
+            ) from None  # the error itself (a bad request, say), not Ray's traceback
         finally:
             ray.get(coordinator.shutdown.remote())
     finally:
@@ -115,6 +185,7 @@ def run_to_completion(cfg, prompts: list[list[int]], params) -> list[dict]:
 def cmd_train_drafter(args) -> None:
     from speculative.train.config import TrainConfig
     from speculative.train.pipeline import train_drafter
+
     fields = {}
     if args.config:
         try:
@@ -122,15 +193,37 @@ def cmd_train_drafter(args) -> None:
         except json.JSONDecodeError as e:
             raise ValueError(f"config {args.config} is not valid JSON: {e}") from None
         if not isinstance(fields, dict) or not isinstance(fields.get("distill", {}), dict):
-            raise ValueError(f"config {args.config} must be a JSON object of TrainConfig fields (distill: an object)")
-    fields.update({k: v for k, v in {"model": args.model, "output": args.output, "data": args.data,
-                                     "max_steps": args.max_steps, "draft_vocab_size": args.draft_vocab_size,
-                                     "ttt_steps": args.ttt_steps, "time_limit_s": args.time_limit,
-                                     "init_from": args.init_from, "device": args.device}.items() if v is not None})
-    distill = {k: v for k, v in {"prompt_files": args.prompts, "num_prompts": args.num_prompts,
-                                 "time_limit_s": args.distill_time_limit,
-                                 "skip_prompts": args.distill_skip,
-                                 "num_workers": args.distill_workers}.items() if v is not None}
+            raise ValueError(
+                f"config {args.config} must be a JSON object of TrainConfig fields (distill: an object)"
+            )
+    fields.update(
+        {
+            k: v
+            for k, v in {
+                "model": args.model,
+                "output": args.output,
+                "data": args.data,
+                "max_steps": args.max_steps,
+                "draft_vocab_size": args.draft_vocab_size,
+                "ttt_steps": args.ttt_steps,
+                "time_limit_s": args.time_limit,
+                "init_from": args.init_from,
+                "device": args.device,
+            }.items()
+            if v is not None
+        }
+    )
+    distill = {
+        k: v
+        for k, v in {
+            "prompt_files": args.prompts,
+            "num_prompts": args.num_prompts,
+            "time_limit_s": args.distill_time_limit,
+            "skip_prompts": args.distill_skip,
+            "num_workers": args.distill_workers,
+        }.items()
+        if v is not None
+    }
     if distill:
         fields["distill"] = {**fields.get("distill", {}), **distill}
     summary = train_drafter(TrainConfig(**fields), distill_only=args.distill_only)
@@ -151,23 +244,36 @@ def cmd_serve(args) -> None:
 
     from deployments.config import load_config
     from deployments.server import build_app
+
     overrides = {f"engine.{k}": getattr(args, k) for k in ENGINE_FLAGS}
     if args.no_overlap:
         overrides["engine.overlap"] = False
-    cfg = load_config(args.config, host=args.host, port=args.port, ray_address=args.address,
-                      num_replicas=args.replicas, **overrides)
+    cfg = load_config(
+        args.config,
+        host=args.host,
+        port=args.port,
+        ray_address=args.address,
+        num_replicas=args.replicas,
+        **overrides,
+    )
     from speculative.executor import check_tp_size
+
     check_tp_size(cfg.engine)
     local = cfg.ray_address is None
-    ray.init(address=cfg.ray_address, num_cpus=_local_cpus(cfg.engine.tp * cfg.num_replicas) if local else None,
-             logging_level="WARNING")
+    ray.init(
+        address=cfg.ray_address,
+        num_cpus=_local_cpus(cfg.engine.tp * cfg.num_replicas) if local else None,
+        logging_level="WARNING",
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": cfg.host, "port": cfg.port})
         serve.run(build_app(cfg), name="eagleserve", route_prefix="/")
-        print(f"eagleserve: serving {cfg.model_name!r} at http://{cfg.host}:{cfg.port}/v1", flush=True)
+        print(
+            f"eagleserve: serving {cfg.model_name!r} at http://{cfg.host}:{cfg.port}/v1", flush=True
+        )
         stop.wait()
         print("eagleserve: shutting down", flush=True)
     finally:
@@ -180,29 +286,56 @@ def cmd_bench(args) -> None:
     import ray
 
     from deployments import bench
+
     on = {"on": [True], "off": [False], "both": [True, False]}
     try:
         ks, batches = [int(k) for k in args.k.split(",")], [int(b) for b in args.batch.split(",")]
         siblings = [int(m) for m in args.draft_siblings.split(",")]
     except ValueError:
-        raise ValueError("-k, --batch and --draft-siblings take integers, comma-separated") from None
+        raise ValueError(
+            "-k, --batch and --draft-siblings take integers, comma-separated"
+        ) from None
     modes = args.modes.split(",")
     if min(ks) < 1 or min(batches) < 1 or min(siblings) < 0 or not set(modes) <= {"plain", "eagle"}:
-        raise ValueError("-k and --batch values must be >= 1, --draft-siblings >= 0, and --modes holds plain "
-                         "and/or eagle")
+        raise ValueError(
+            "-k and --batch values must be >= 1, --draft-siblings >= 0, and --modes holds plain "
+            "and/or eagle"
+        )
     prompts = bench.load_prompts(args.dataset, max(args.num_prompts, 1))
-    ray.init(address=os.environ.get("RAY_ADDRESS"), num_cpus=None if args.device == "cuda" else _local_cpus(1),
-             logging_level="WARNING", log_to_driver=False)
+    ray.init(
+        address=os.environ.get("RAY_ADDRESS"),
+        num_cpus=None if args.device == "cuda" else _local_cpus(1),
+        logging_level="WARNING",
+        log_to_driver=False,
+    )
     try:
-        runs = bench.bench(args.model, args.drafter, ks, modes, on[args.cuda_graphs], on[args.overlap], batches, prompts,
-                           args.output_len, args.ignore_eos, args.device, args.max_model_len, args.num_prompts,
-                           graph_first_draft=args.graph_first_draft, prompt_lookup=args.prompt_lookup,
-                           logprobs=args.logprobs, siblings=siblings, temperature=args.temperature)
+        runs = bench.bench(
+            args.model,
+            args.drafter,
+            ks,
+            modes,
+            on[args.cuda_graphs],
+            on[args.overlap],
+            batches,
+            prompts,
+            args.output_len,
+            args.ignore_eos,
+            args.device,
+            args.max_model_len,
+            args.num_prompts,
+            graph_first_draft=args.graph_first_draft,
+            prompt_lookup=args.prompt_lookup,
+            logprobs=args.logprobs,
+            siblings=siblings,
+            temperature=args.temperature,
+        )
     finally:
         ray.shutdown()
     bench.print_table(runs)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"model": args.model, "drafter": args.drafter, "runs": runs}, indent=1))
+    args.output.write_text(
+        json.dumps({"model": args.model, "drafter": args.drafter, "runs": runs}, indent=1)
+    )
     if bench.plot(runs, args.output.with_suffix(".png")):
         print(f"plot: {args.output.with_suffix('.png')}")
     print(f"results: {args.output}")
@@ -210,26 +343,52 @@ def cmd_bench(args) -> None:
 
 def cmd_loadtest(args) -> None:
     from deployments import bench, loadtest
+
     url = loadtest.check_url(args.url, args.allow_remote)
     if args.num_requests < 1 or args.duration <= 0 or args.timeout <= 0 or args.max_tokens < 1:
-        raise ValueError("--num-requests and --max-tokens must be >= 1, --duration and --timeout > 0")
+        raise ValueError(
+            "--num-requests and --max-tokens must be >= 1, --duration and --timeout > 0"
+        )
     try:
         concurrency = [int(c) for c in args.concurrency.split(",")] if args.rate is None else None
         rate = [float(r) for r in args.rate.split(",")] if args.rate is not None else None
     except ValueError:
-        raise ValueError("--concurrency takes integers and --rate numbers, comma-separated") from None
+        raise ValueError(
+            "--concurrency takes integers and --rate numbers, comma-separated"
+        ) from None
     if any(v <= 0 for v in concurrency or rate):
         raise ValueError("--concurrency and --rate values must be positive")
     prompts = bench.load_prompts(args.dataset, args.num_requests)
-    runs = loadtest.loadtest(url, prompts, concurrency=concurrency, rate=rate, num_requests=args.num_requests,
-                             duration_s=args.duration, model=args.model, endpoint=args.endpoint,
-                             max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos,
-                             timeout_s=args.timeout, api_key=args.api_key or os.environ.get("EAGLESERVE_API_KEY"),
-                             seed=args.seed)
+    runs = loadtest.loadtest(
+        url,
+        prompts,
+        concurrency=concurrency,
+        rate=rate,
+        num_requests=args.num_requests,
+        duration_s=args.duration,
+        model=args.model,
+        endpoint=args.endpoint,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        ignore_eos=args.ignore_eos,
+        timeout_s=args.timeout,
+        api_key=args.api_key or os.environ.get("EAGLESERVE_API_KEY"),
+        seed=args.seed,
+    )
     loadtest.print_table(runs)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"url": url, "model": args.model, "endpoint": args.endpoint,
-                                       "max_tokens": args.max_tokens, "runs": runs}, indent=1))
+    args.output.write_text(
+        json.dumps(
+            {
+                "url": url,
+                "model": args.model,
+                "endpoint": args.endpoint,
+                "max_tokens": args.max_tokens,
+                "runs": runs,
+            },
+            indent=1,
+        )
+    )
     if loadtest.plot(runs, args.output.with_suffix(".png")):
         print(f"plot: {args.output.with_suffix('.png')}")
     print(f"results: {args.output}")
@@ -256,24 +415,47 @@ def main(argv=None) -> None:
     gen.set_defaults(func=cmd_generate)
 
     train = sub.add_parser("train-drafter", help="self-distill data and train an EAGLE-3 drafter")
-    train.add_argument("--config", type=Path, help="JSON with TrainConfig fields (flags override it)")
+    train.add_argument(
+        "--config", type=Path, help="JSON with TrainConfig fields (flags override it)"
+    )
     train.add_argument("--model", help="target: model name, HF directory or .gguf file")
     train.add_argument("-o", "--output", help="directory of the exported drafter")
-    train.add_argument("--data", help="directory of self-distilled data (generated when empty; default: OUTPUT.data)")
-    train.add_argument("--distill-only", action="store_true",
-                       help="distil one more part of data, continuing the prompt order, and stop")
+    train.add_argument(
+        "--data",
+        help="directory of self-distilled data (generated when empty; default: OUTPUT.data)",
+    )
+    train.add_argument(
+        "--distill-only",
+        action="store_true",
+        help="distil one more part of data, continuing the prompt order, and stop",
+    )
     train.add_argument("--prompts", nargs="+", help="JSONL(.gz) prompt files for self-distillation")
     train.add_argument("--num-prompts", type=int)
     train.add_argument("--max-steps", type=int)
     train.add_argument("--draft-vocab-size", type=int)
     train.add_argument("--ttt-steps", type=int, help="unrolled draft steps")
-    train.add_argument("--init-from", help="drafter directory to start from (its weights, and its head rows "
-                       "for the tokens the new draft vocabulary holds)")
-    train.add_argument("--time-limit", type=float, help="seconds of training; then checkpoint and stop")
-    train.add_argument("--distill-time-limit", type=float, help="seconds of self-distillation (admitting prompts)")
-    train.add_argument("--distill-skip", type=int, help="prompts at the start of the order not to distil (those "
-                       "an earlier dataset, no longer here, covered)")
-    train.add_argument("--distill-workers", type=int, help="engine processes sharing the device for self-distillation")
+    train.add_argument(
+        "--init-from",
+        help="drafter directory to start from (its weights, and its head rows "
+        "for the tokens the new draft vocabulary holds)",
+    )
+    train.add_argument(
+        "--time-limit", type=float, help="seconds of training; then checkpoint and stop"
+    )
+    train.add_argument(
+        "--distill-time-limit", type=float, help="seconds of self-distillation (admitting prompts)"
+    )
+    train.add_argument(
+        "--distill-skip",
+        type=int,
+        help="prompts at the start of the order not to distil (those "
+        "an earlier dataset, no longer here, covered)",
+    )
+    train.add_argument(
+        "--distill-workers",
+        type=int,
+        help="engine processes sharing the device for self-distillation",
+    )
     train.add_argument("--device", choices=["auto", "cpu", "cuda"])
     train.set_defaults(func=cmd_train_drafter)
 
@@ -281,31 +463,62 @@ def main(argv=None) -> None:
     srv.add_argument("--config", type=Path, help="YAML file with the ServeConfig fields")
     srv.add_argument("--host", default=None, help="default 127.0.0.1")
     srv.add_argument("--port", type=int, default=None, help="default 8000")
-    srv.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
+    srv.add_argument(
+        "--address", default=None, help="join this Ray cluster instead of starting a local one"
+    )
     srv.add_argument("--replicas", type=int, default=None)
     _engine_args(srv, with_defaults=False)
     srv.set_defaults(func=cmd_serve)
 
-    b = sub.add_parser("bench", help="offline throughput: plain vs EAGLE-3, overlap, CUDA graphs, batch sizes")
+    b = sub.add_parser(
+        "bench", help="offline throughput: plain vs EAGLE-3, overlap, CUDA graphs, batch sizes"
+    )
     b.add_argument("--model", default="smollm2-135m")
     b.add_argument("--drafter", default="default")
-    b.add_argument("--dataset", default=None, help="JSONL of prompts (default: GSM8K test, chat template)")
-    b.add_argument("--num-prompts", type=int, default=32, help="prompts per run (at least 2 x batch are used)")
+    b.add_argument(
+        "--dataset", default=None, help="JSONL of prompts (default: GSM8K test, chat template)"
+    )
+    b.add_argument(
+        "--num-prompts", type=int, default=32, help="prompts per run (at least 2 x batch are used)"
+    )
     b.add_argument("--batch", default="1,8", help="comma-separated concurrency levels")
     b.add_argument("--modes", default="plain,eagle", help="plain and/or eagle")
     b.add_argument("-k", default="5", help="comma-separated draft lengths")
     b.add_argument("--cuda-graphs", choices=["on", "off", "both"], default="on")
     b.add_argument("--overlap", choices=["on", "off", "both"], default="on")
-    b.add_argument("--graph-first-draft", action="store_true",
-                   help="capture each greedy decode step whole: verify + all draft forwards (default: first draft eager)")
-    b.add_argument("--prompt-lookup", type=float, default=0.0, metavar="P", help="EAGLE-3 runs with prompt lookup "
-                   "below drafter probability P (0: off)")
-    b.add_argument("--draft-siblings", default="0", metavar="M", help="comma-separated siblings per draft depth "
-                   "for the EAGLE-3 runs (0: a chain)")
-    b.add_argument("--temperature", type=float, default=0.0, help="of every request (0: greedy; sampled steps "
-                   "verify eagerly after the graphed target pass)")
-    b.add_argument("--logprobs", type=int, default=None, metavar="N", help="every request asks for its tokens' "
-                   "log-probabilities and N top ones (what that costs: such steps verify eagerly)")
+    b.add_argument(
+        "--graph-first-draft",
+        action="store_true",
+        help="capture each greedy decode step whole: verify + all draft forwards (default: first draft eager)",
+    )
+    b.add_argument(
+        "--prompt-lookup",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="EAGLE-3 runs with prompt lookup below drafter probability P (0: off)",
+    )
+    b.add_argument(
+        "--draft-siblings",
+        default="0",
+        metavar="M",
+        help="comma-separated siblings per draft depth for the EAGLE-3 runs (0: a chain)",
+    )
+    b.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="of every request (0: greedy; sampled steps "
+        "verify eagerly after the graphed target pass)",
+    )
+    b.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="every request asks for its tokens' "
+        "log-probabilities and N top ones (what that costs: such steps verify eagerly)",
+    )
     b.add_argument("--output-len", type=int, default=256)
     b.add_argument("--ignore-eos", action="store_true")
     b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -313,30 +526,56 @@ def main(argv=None) -> None:
     b.add_argument("-o", "--output", type=Path, default=Path("benchmarks/bench.json"))
     b.set_defaults(func=cmd_bench)
 
-    lt = sub.add_parser("loadtest", help="streaming HTTP load on a running server: a concurrency sweep or a "
-                                         "Poisson arrival rate")
-    lt.add_argument("--url", default="http://127.0.0.1:8000", help="the server (loopback unless --allow-remote)")
-    lt.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --url (a real cluster)")
+    lt = sub.add_parser(
+        "loadtest",
+        help="streaming HTTP load on a running server: a concurrency sweep or a "
+        "Poisson arrival rate",
+    )
+    lt.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="the server (loopback unless --allow-remote)"
+    )
+    lt.add_argument(
+        "--allow-remote", action="store_true", help="allow a non-loopback --url (a real cluster)"
+    )
     lt.add_argument("--model", default="smollm2-135m", help="the request's model field")
-    lt.add_argument("--api-key", default=None, help="sent as Authorization: Bearer (default: $EAGLESERVE_API_KEY)")
+    lt.add_argument(
+        "--api-key",
+        default=None,
+        help="sent as Authorization: Bearer (default: $EAGLESERVE_API_KEY)",
+    )
     lt.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
-    lt.add_argument("--dataset", default=None, help="JSONL of prompts (default: GSM8K test questions)")
+    lt.add_argument(
+        "--dataset", default=None, help="JSONL of prompts (default: GSM8K test questions)"
+    )
     mode = lt.add_mutually_exclusive_group()
-    mode.add_argument("--concurrency", default="1,4,16", help="comma-separated requests in flight, one level each")
-    mode.add_argument("--rate", default=None, help="comma-separated Poisson arrival rates (req/s) instead")
+    mode.add_argument(
+        "--concurrency", default="1,4,16", help="comma-separated requests in flight, one level each"
+    )
+    mode.add_argument(
+        "--rate", default=None, help="comma-separated Poisson arrival rates (req/s) instead"
+    )
     lt.add_argument("--num-requests", type=int, default=64, help="requests per level at most")
-    lt.add_argument("--duration", type=float, default=60.0, help="seconds per level at most (then no new requests)")
+    lt.add_argument(
+        "--duration",
+        type=float,
+        default=60.0,
+        help="seconds per level at most (then no new requests)",
+    )
     lt.add_argument("--max-tokens", type=int, default=64)
     lt.add_argument("--temperature", type=float, default=0.0)
-    lt.add_argument("--ignore-eos", action="store_true", help="every request generates --max-tokens tokens")
+    lt.add_argument(
+        "--ignore-eos", action="store_true", help="every request generates --max-tokens tokens"
+    )
     lt.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     lt.add_argument("--seed", type=int, default=0, help="seeds the arrival times")
     lt.add_argument("-o", "--output", type=Path, default=Path("benchmarks/loadtest.json"))
     lt.set_defaults(func=cmd_loadtest)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         args.func(args)
     except ValidationError as e:

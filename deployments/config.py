@@ -1,4 +1,5 @@
 """The serving configuration: one pydantic model, loadable from YAML."""
+
 import os
 from pathlib import Path
 
@@ -19,21 +20,23 @@ class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     engine: EngineConfig = EngineConfig()
-    served_model_name: str | None = None        # defaults to engine.model
+    served_model_name: str | None = None  # defaults to engine.model
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     num_replicas: int = Field(1, ge=1)
     autoscaling: AutoscalingConfig | None = None  # replaces num_replicas when set
-    max_waiting_requests: int = Field(64, ge=1)   # per replica; beyond it requests get 429
+    max_waiting_requests: int = Field(64, ge=1)  # per replica; beyond it requests get 429
     max_ongoing_requests: int = Field(256, ge=1)  # per replica, Serve's own limit
-    api_key: str | None = None                    # or EAGLESERVE_API_KEY; None means no auth
+    api_key: str | None = None  # or EAGLESERVE_API_KEY; None means no auth
     max_request_bytes: int = Field(1 << 20, ge=1024)
-    resume_timeout_s: float = Field(30.0, ge=0)   # a stream whose replica fails goes on elsewhere; 0: off
-    hung_step_s: float = Field(30.0, gt=0)        # a step running longer fails the health check
+    resume_timeout_s: float = Field(
+        30.0, ge=0
+    )  # a stream whose replica fails goes on elsewhere; 0: off
+    hung_step_s: float = Field(30.0, gt=0)  # a step running longer fails the health check
     # what each tensor-parallel rank's placement bundle reserves (e.g. {"CPU": 4, "GPU": 1}); it must hold
     # what the rank takes (1 GPU on GPUs, 1 CPU on CPUs). None: exactly that
     rank_resources: dict[str, NonNegativeFloat] | None = None
-    ray_address: str | None = None                # join a cluster instead of starting local Ray
+    ray_address: str | None = None  # join a cluster instead of starting local Ray
 
     @property
     def model_name(self) -> str:

@@ -1,5 +1,6 @@
 """The LLM server deployment: every replica owns one tensor-parallel group (its placement group:
 the replica's bundle plus one per rank, STRICT_PACK) and the coordinator that drives it."""
+
 import asyncio
 import logging
 import os
@@ -19,6 +20,7 @@ log = logging.getLogger("eagleserve.server")
 class LLMServer:
     def __init__(self, cfg: ServeConfig):
         from speculative.coordinator import Coordinator
+
         self.cfg = cfg
         self.coordinator = Coordinator(cfg.engine)
         self.num_requests = 0  # accepted by this replica (replica_info)
@@ -26,19 +28,27 @@ class LLMServer:
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
         """Stream RequestOutput deltas; cancellation (client gone) aborts the request."""
         from speculative.executor import EngineDeadError
+
         c = self.coordinator
         scheduler = c.engine.scheduler
         free_slots = scheduler.num_slots - scheduler.num_running
         if scheduler.num_waiting + c.commands.qsize() - free_slots >= self.cfg.max_waiting_requests:
-            raise APIError(429, "the server is at capacity; retry later", "rate_limit_error",
-                           code="overloaded", headers={"Retry-After": "1"})
+            raise APIError(
+                429,
+                "the server is at capacity; retry later",
+                "rate_limit_error",
+                code="overloaded",
+                headers={"Retry-After": "1"},
+            )
         sink = asyncio.Queue()
         try:
             c.add(request_id, prompt_ids, params, sink, asyncio.get_running_loop())
         except RequestError as e:
             raise APIError(400, str(e), code="invalid_request") from None
         except EngineDeadError as e:
-            raise APIError(503, f"engine unavailable: {e}", "server_error", headers={"Retry-After": "5"}) from None
+            raise APIError(
+                503, f"engine unavailable: {e}", "server_error", headers={"Retry-After": "5"}
+            ) from None
         self.num_requests += 1
         log.info("request %s: %d prompt tokens", request_id, len(prompt_ids))
         try:
@@ -59,9 +69,16 @@ class LLMServer:
     async def replica_info(self) -> dict:
         """This replica's process and node, its ranks' (placement checks, fault tests), its step and
         request counts."""
-        workers = await asyncio.gather(*[w.process_info.remote() for w in self.coordinator.worker_handles()])
-        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "workers": workers,
-                "num_steps": self.coordinator.stats()["num_steps"], "num_requests": self.num_requests}
+        workers = await asyncio.gather(
+            *[w.process_info.remote() for w in self.coordinator.worker_handles()]
+        )
+        return {
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "workers": workers,
+            "num_steps": self.coordinator.stats()["num_steps"],
+            "num_requests": self.num_requests,
+        }
 
     def check_health(self) -> None:
         c = self.coordinator
@@ -79,20 +96,28 @@ def rank_resources(cfg: ServeConfig) -> dict[str, float]:
     """One rank's placement bundle: what its TPWorker takes (a GPU, or a CPU on the CPU backend), or
     the configured `rank_resources`, which must hold that."""
     from speculative.executor import wants_gpu
+
     needed = "GPU" if wants_gpu(cfg.engine) else "CPU"
     bundle = dict(cfg.rank_resources or {needed: 1})
     if bundle.get(needed, 0) < 1:
-        raise ValueError(f"rank_resources {bundle} must hold at least 1 {needed}: each rank takes one")
+        raise ValueError(
+            f"rank_resources {bundle} must hold at least 1 {needed}: each rank takes one"
+        )
     return bundle
 
 
 def llm_server_options(cfg: ServeConfig) -> dict:
     rank_bundle = rank_resources(cfg)
     # a failed replica is replaced after 3 failed checks; it gets 10 s to drain (its streams resume elsewhere)
-    options = {"placement_group_bundles": [{"CPU": 0.01}] + [rank_bundle] * cfg.engine.tp,
-               "placement_group_strategy": "STRICT_PACK", "max_ongoing_requests": cfg.max_ongoing_requests,
-               "health_check_period_s": 2, "health_check_timeout_s": 30, "graceful_shutdown_timeout_s": 10,
-               "ray_actor_options": {"num_cpus": 0.01}}
+    options = {
+        "placement_group_bundles": [{"CPU": 0.01}] + [rank_bundle] * cfg.engine.tp,
+        "placement_group_strategy": "STRICT_PACK",
+        "max_ongoing_requests": cfg.max_ongoing_requests,
+        "health_check_period_s": 2,
+        "health_check_timeout_s": 30,
+        "graceful_shutdown_timeout_s": 10,
+        "ray_actor_options": {"num_cpus": 0.01},
+    }
     if cfg.autoscaling:
         options["autoscaling_config"] = cfg.autoscaling.model_dump()
     else:

@@ -1,12 +1,17 @@
 """OpenAI's logprobs bodies from the engine's (token id, (log-probability, top [(id, log-probability)]))
 entries (None instead of the pair for an echoed prompt's first token). A token's bytes are its own,
 not those of its text decoded alone: a byte-level BPE token may hold part of a UTF-8 character."""
+
 import codecs
 
 
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, inverted: every byte is written as one printable character."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    printable = {
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    }
     chars, n = {}, 0
     for b in range(256):
         if b in printable:
@@ -40,12 +45,15 @@ class LogprobFormatter:
         self.tokenizer = tokenizer
         self.byte_of = _byte_decoder()
         # what decoding with skip_special_tokens leaves out (all_special_ids may hold only some of it)
-        self.special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items()
-                                                          if t.special}
+        self.special = set(tokenizer.all_special_ids) | {
+            i for i, t in tokenizer.added_tokens_decoder.items() if t.special
+        }
 
     def token_bytes(self, token_id: int) -> bytes:
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
-        if token_id in self.special or any(c not in self.byte_of for c in piece):  # not a byte-level piece
+        if token_id in self.special or any(
+            c not in self.byte_of for c in piece
+        ):  # not a byte-level piece
             return self.tokenizer.decode([token_id]).encode()
         return bytes(self.byte_of[c] for c in piece)
 
@@ -61,14 +69,29 @@ class LogprobFormatter:
             return None
 
         def entry(token_id, logprob):
-            return {"token": self.token_text(token_id), "logprob": logprob, "bytes": list(self.token_bytes(token_id))}
-        return {"content": [entry(t, lp) | {"top_logprobs": [entry(i, v) for i, v in top]}
-                            for t, (lp, top) in logprobs]}
+            return {
+                "token": self.token_text(token_id),
+                "logprob": logprob,
+                "bytes": list(self.token_bytes(token_id)),
+            }
+
+        return {
+            "content": [
+                entry(t, lp) | {"top_logprobs": [entry(i, v) for i, v in top]}
+                for t, (lp, top) in logprobs
+            ]
+        }
 
     def completion(self, logprobs: list | None, offsets: TextOffsets) -> dict | None:
         if logprobs is None:
             return None
-        return {"tokens": [self.token_text(t) for t, _ in logprobs],
-                "token_logprobs": [entry and entry[0] for _, entry in logprobs],
-                "text_offset": [offsets.add(self.token_bytes(t), t in self.special) for t, _ in logprobs],
-                "top_logprobs": [entry and {self.token_text(i): v for i, v in entry[1]} for _, entry in logprobs]}
+        return {
+            "tokens": [self.token_text(t) for t, _ in logprobs],
+            "token_logprobs": [entry and entry[0] for _, entry in logprobs],
+            "text_offset": [
+                offsets.add(self.token_bytes(t), t in self.special) for t, _ in logprobs
+            ],
+            "top_logprobs": [
+                entry and {self.token_text(i): v for i, v in entry[1]} for _, entry in logprobs
+            ],
+        }

@@ -1,4 +1,5 @@
 """Prometheus text exposition for the ingress's counters and the engine's statistics."""
+
 import bisect
 from collections import defaultdict
 
@@ -29,7 +30,7 @@ class Histogram:
 
 class Metrics:
     def __init__(self):
-        self.requests = defaultdict(int)   # (endpoint, status) -> count
+        self.requests = defaultdict(int)  # (endpoint, status) -> count
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.ttft = Histogram()
@@ -38,24 +39,38 @@ class Metrics:
     def render(self, engine: dict) -> str:
         lines = ["# TYPE eagleserve_requests_total counter"]
         for (endpoint, status), n in sorted(self.requests.items()):
-            lines.append(f'eagleserve_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
-        lines += ["# TYPE eagleserve_prompt_tokens_total counter", f"eagleserve_prompt_tokens_total {self.prompt_tokens}",
-                  "# TYPE eagleserve_completion_tokens_total counter",
-                  f"eagleserve_completion_tokens_total {self.completion_tokens}",
-                  "# TYPE eagleserve_time_to_first_token_seconds histogram",
-                  *self.ttft.lines("eagleserve_time_to_first_token_seconds"),
-                  "# TYPE eagleserve_inter_token_latency_seconds histogram",
-                  *self.itl.lines("eagleserve_inter_token_latency_seconds")]
-        proposed, accepted, verify_rows = engine["draft_proposed"], engine["draft_accepted"], engine["num_verify_rows"]
+            lines.append(
+                f'eagleserve_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}'
+            )
+        lines += [
+            "# TYPE eagleserve_prompt_tokens_total counter",
+            f"eagleserve_prompt_tokens_total {self.prompt_tokens}",
+            "# TYPE eagleserve_completion_tokens_total counter",
+            f"eagleserve_completion_tokens_total {self.completion_tokens}",
+            "# TYPE eagleserve_time_to_first_token_seconds histogram",
+            *self.ttft.lines("eagleserve_time_to_first_token_seconds"),
+            "# TYPE eagleserve_inter_token_latency_seconds histogram",
+            *self.itl.lines("eagleserve_inter_token_latency_seconds"),
+        ]
+        proposed, accepted, verify_rows = (
+            engine["draft_proposed"],
+            engine["draft_accepted"],
+            engine["num_verify_rows"],
+        )
         gauges = {
-            "batch_size": engine["num_running"], "queue_depth": engine["num_waiting"],
+            "batch_size": engine["num_running"],
+            "queue_depth": engine["num_waiting"],
             "mean_acceptance_length": 1 + accepted / verify_rows if verify_rows else 1.0,
             "healthy": int(engine["healthy"]),
         }
         for name, value in gauges.items():
             lines += [f"# TYPE eagleserve_{name} gauge", f"eagleserve_{name} {value}"]
-        counters = {"draft_tokens_proposed_total": proposed, "draft_tokens_accepted_total": accepted,
-                    "engine_steps_total": engine["num_steps"], "extra_pass_rows_total": engine["num_extra_rows"]}
+        counters = {
+            "draft_tokens_proposed_total": proposed,
+            "draft_tokens_accepted_total": accepted,
+            "engine_steps_total": engine["num_steps"],
+            "extra_pass_rows_total": engine["num_extra_rows"],
+        }
         for name, value in counters.items():
             lines += [f"# TYPE eagleserve_{name} counter", f"eagleserve_{name} {value}"]
         lines.append("# TYPE eagleserve_acceptance_rate gauge")

@@ -1,27 +1,56 @@
 """OpenAI API request and response models (the subset served), and OpenAI-style errors."""
+
 import json
 import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, WithJsonSchema, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 from pydantic.json_schema import models_json_schema
 
 from speculative.config import MAX_LOGIT_BIAS, LogitBiasValue, SamplingParams
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
         self.headers = headers or {}
 
     def __reduce__(self):  # crosses Ray's process boundary intact
         return APIError, (self.status, self.message, self.type, self.param, self.code, self.headers)
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def parse_json_object(body: bytes) -> dict:
@@ -30,15 +59,20 @@ def parse_json_object(body: bytes) -> dict:
         data = json.loads(body)
     except RecursionError:
         raise APIError(400, "request body is nested too deeply", code="invalid_json") from None
-    except ValueError as e:  # not JSON, not UTF-8/16/32, or an integer over Python's 4300-digit limit
+    except (
+        ValueError
+    ) as e:  # not JSON, not UTF-8/16/32, or an integer over Python's 4300-digit limit
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
     try:  # a lone surrogate escape ("\ud800") decodes but is no text: the tokenizer and responses fail on it
         json.dumps(data, ensure_ascii=False).encode()
     except UnicodeEncodeError:
-        raise APIError(400, "request body holds a lone surrogate escape (not valid Unicode text)",
-                       code="invalid_json") from None
+        raise APIError(
+            400,
+            "request body holds a lone surrogate escape (not valid Unicode text)",
+            code="invalid_json",
+        ) from None
     return data
 
 
@@ -53,7 +87,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return (
+            self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        )
 
 
 class StreamOptions(BaseModel):
@@ -62,31 +98,44 @@ class StreamOptions(BaseModel):
 
 # What the validators below accept, for the OpenAPI schema (pydantic cannot derive it from them)
 _NON_EMPTY = {"type": "string", "minLength": 1}
-_STOP = WithJsonSchema({"anyOf": [_NON_EMPTY, {"type": "array", "items": _NON_EMPTY, "maxItems": 4}, {"type": "null"}]})
-_PROMPT = WithJsonSchema({"anyOf": [
-    _NON_EMPTY, {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
-    {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]})
+_STOP = WithJsonSchema(
+    {"anyOf": [_NON_EMPTY, {"type": "array", "items": _NON_EMPTY, "maxItems": 4}, {"type": "null"}]}
+)
+_PROMPT = WithJsonSchema(
+    {
+        "anyOf": [
+            _NON_EMPTY,
+            {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+            {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        ]
+    }
+)
 
 
 def _only_with(flag: str):
     """A field validator: the field may be set only when `flag` (declared before it) is true."""
+
     def check(cls, v, info):
         if v is not None and not info.data.get(flag):
             raise ValueError(f"{info.field_name} is only allowed when {flag} is true")
         return v
+
     return classmethod(check)
 
 
 class _SamplingRequest(BaseModel):
     """Fields shared by both endpoints. Options we do not implement are refused, never ignored
     (unknown fields too: `refuse_unknown`, hence no additionalProperties in the schema)."""
+
     model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, le=2**31 - 1)  # any k over the vocabulary is no cut; over int64 it failed the step
+    top_k: int = Field(
+        0, ge=-1, le=2**31 - 1
+    )  # any k over the vocabulary is no cut; over int64 it failed the step
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     n: int = Field(1, ge=1, le=128)  # choices, each a request of its own (OpenAI's limit)
     stream: bool = False
@@ -109,7 +158,11 @@ class _SamplingRequest(BaseModel):
         them so: a null option with a non-null default takes that default."""
         if isinstance(data, dict):
             fields = cls.model_fields
-            return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
+            return {
+                k: v
+                for k, v in data.items()
+                if v is not None or k not in fields or fields[k].default is None
+            }
         return data
 
     _stream_options_need_stream = field_validator("stream_options")(_only_with("stream"))
@@ -137,13 +190,24 @@ class _SamplingRequest(BaseModel):
         return None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                              seed=self.seed, max_tokens=max_tokens, stop=self.stop or [],
-                              stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
-                              logprobs=self.num_logprobs(), prompt_logprobs=self.num_prompt_logprobs(),
-                              frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-                              repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
-                              logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()})
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            stop=self.stop or [],
+            stop_token_ids=self.stop_token_ids or [],
+            ignore_eos=self.ignore_eos,
+            logprobs=self.num_logprobs(),
+            prompt_logprobs=self.num_prompt_logprobs(),
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+        )
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -159,10 +223,14 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Annotated[str | list[str] | list[Annotated[int, Strict()]], _PROMPT]  # strict: no booleans
+    prompt: Annotated[
+        str | list[str] | list[Annotated[int, Strict()]], _PROMPT
+    ]  # strict: no booleans
     echo: bool = False  # the prompt before the completion, in the text and the logprobs
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: Annotated[int, Strict()] | None = Field(None, ge=0, le=20)  # OpenAI's limit is 5, vLLM's 20
+    logprobs: Annotated[int, Strict()] | None = Field(
+        None, ge=0, le=20
+    )  # OpenAI's limit is 5, vLLM's 20
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -185,6 +253,7 @@ class CompletionRequest(_SamplingRequest):
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a completion prompt, encoded as /v1/completions does, or chat messages,
     encoded as /v1/chat/completions does (the template and the assistant's turn)."""
+
     model_config = ConfigDict(extra="forbid")
     model: str
     prompt: str | None = None
@@ -204,10 +273,29 @@ class DetokenizeRequest(BaseModel):
 
 
 KNOWN_FIELDS = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
-IGNORED_FIELDS = {"response_format", "tools", "tool_choice", "parallel_tool_calls", "metadata",
-                  "store", "service_tier", "suffix", "best_of", "prediction", "modalities",
-                  "reasoning_effort", "audio", "web_search_options"}
-DEFAULT_VALUES = (None, False, [], {}, {"type": "text"})  # what those fields may hold: what we do anyway
+IGNORED_FIELDS = {
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "metadata",
+    "store",
+    "service_tier",
+    "suffix",
+    "best_of",
+    "prediction",
+    "modalities",
+    "reasoning_effort",
+    "audio",
+    "web_search_options",
+}
+DEFAULT_VALUES = (
+    None,
+    False,
+    [],
+    {},
+    {"type": "text"},
+)  # what those fields may hold: what we do anyway
 
 
 def refuse_unknown(req: _SamplingRequest) -> None:
@@ -215,13 +303,17 @@ def refuse_unknown(req: _SamplingRequest) -> None:
     for name, value in (req.model_extra or {}).items():
         if name in IGNORED_FIELDS and value in DEFAULT_VALUES:
             continue
-        raise APIError(400, f"unsupported parameter {name!r}", param=name, code="unsupported_parameter")
+        raise APIError(
+            400, f"unsupported parameter {name!r}", param=name, code="unsupported_parameter"
+        )
 
 
 def request_schemas() -> dict:
     """The request bodies' JSON schemas (and the models they use), as OpenAPI components."""
     models = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
-    _, top = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
+    _, top = models_json_schema(
+        [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
+    )
     return top["$defs"]
 
 
@@ -236,8 +328,11 @@ def completion_id(prefix: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def now() -> int:

@@ -1,5 +1,6 @@
 """The Ray Serve application: the OpenAI-compatible FastAPI ingress in front of the LLM server
 deployment (deployments/llm_server.py)."""
+
 import asyncio
 import contextlib
 import hmac
@@ -12,17 +13,28 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.exceptions import RequestCancelledError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.config import ServeConfig
 from deployments.llm_server import LLMServer, llm_server_options
 from deployments.logprobs import LogprobFormatter, TextOffsets
 from deployments.metrics import ingress_metrics
-from deployments.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                  TokenizeRequest, completion_id, json_body, now, parse_json_object, refuse_unknown,
-                                  request_schemas, usage)
+from deployments.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    completion_id,
+    json_body,
+    now,
+    parse_json_object,
+    refuse_unknown,
+    request_schemas,
+    usage,
+)
 from speculative.config import SamplingParams
 from speculative.scheduler import RequestOutput
 
@@ -52,7 +64,9 @@ async def _api_error(request: Request, e: APIError):
 @api.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, e: StarletteHTTPException):
     """An unknown path (404) or method (405): an OpenAI-style body too."""
-    return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code, headers=e.headers)
+    return JSONResponse(
+        APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code, headers=e.headers
+    )
 
 
 @api.middleware("http")
@@ -81,8 +95,12 @@ def _as_api_error(e: Exception) -> APIError:
         return e
     if isinstance(cause, APIError):
         return cause
-    return APIError(503, f"the server could not complete the request: {type(e).__name__}", "server_error",
-                    headers={"Retry-After": "5"})
+    return APIError(
+        503,
+        f"the server could not complete the request: {type(e).__name__}",
+        "server_error",
+        headers={"Retry-After": "5"},
+    )
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -117,6 +135,7 @@ class OpenAIIngress:
     def __init__(self, server, cfg: ServeConfig):
         from workers.llama import LlamaConfig
         from workers.loader import load_config, load_tokenizer, resolve_model
+
         self.cfg = cfg
         self.server = server.options(stream=True)
         self.stats_handle = server
@@ -124,14 +143,20 @@ class OpenAIIngress:
         self.tokenizer = load_tokenizer(model_dir)
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.capacity = None  # requests a replica takes at once, read from one on the first n > 1
-        self.max_model_len = LlamaConfig.from_hf(load_config(model_dir)).max_len(cfg.engine.max_model_len)
+        self.max_model_len = LlamaConfig.from_hf(load_config(model_dir)).max_len(
+            cfg.engine.max_model_len
+        )
         self.metrics = ingress_metrics()
 
     def _authorize(self, request: Request) -> None:
         key = self.cfg.resolved_api_key
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if key and not (scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())):
-            raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+        if key and not (
+            scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+        ):
+            raise APIError(
+                401, "invalid or missing API key", "authentication_error", code="invalid_api_key"
+            )
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, refused (413) by its declared length before reading, or once a chunked one
@@ -156,36 +181,70 @@ class OpenAIIngress:
         except ValidationError as e:
             err = e.errors()[0]
             param = ".".join(str(p) for p in err["loc"]) or None
-            raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param,
-                           code="invalid_value") from None
+            raise APIError(
+                400,
+                f"{param}: {err['msg']}" if param else err["msg"],
+                param=param,
+                code="invalid_value",
+            ) from None
         if isinstance(req, (ChatCompletionRequest, CompletionRequest)):
             refuse_unknown(req)
         if req.model != self.cfg.model_name:
-            raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.cfg.model_name!r}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"model {req.model!r} does not exist; this server serves {self.cfg.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         if getattr(req, "n", 1) > 1:
-            if self.capacity is None:  # the slots a replica has (memory_budget_gb may allow fewer than max_batch_size)
-                self.capacity = (await self.stats_handle.stats.remote())["num_slots"] + self.cfg.max_waiting_requests
+            if (
+                self.capacity is None
+            ):  # the slots a replica has (memory_budget_gb may allow fewer than max_batch_size)
+                self.capacity = (await self.stats_handle.stats.remote())[
+                    "num_slots"
+                ] + self.cfg.max_waiting_requests
             if req.n > self.capacity:
-                raise APIError(400, f"n is {req.n}; a replica of this server takes at most {self.capacity} requests "
-                               "at once", param="n", code="invalid_value")
+                raise APIError(
+                    400,
+                    f"n is {req.n}; a replica of this server takes at most {self.capacity} requests "
+                    "at once",
+                    param="n",
+                    code="invalid_value",
+                )
         return req
 
-    def _sampling(self, req, prompt_ids: list[int], max_tokens: int | None, prompt_param: str) -> SamplingParams:
+    def _sampling(
+        self, req, prompt_ids: list[int], max_tokens: int | None, prompt_param: str
+    ) -> SamplingParams:
         limit = self.max_model_len
         if len(prompt_ids) >= limit:
-            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; the maximum context is {limit}",
-                           param=prompt_param, code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"the prompt has {len(prompt_ids)} tokens; the maximum context is {limit}",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
         if max_tokens is not None and len(prompt_ids) + max_tokens > limit:
-            raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                           f"maximum context of {limit} tokens", param="max_tokens", code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"maximum context of {limit} tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         max_tokens = max_tokens or limit - len(prompt_ids)
         if req.min_tokens > max_tokens:
-            raise APIError(400, f"min_tokens ({req.min_tokens}) must be at most max_tokens ({max_tokens})",
-                           param="min_tokens", code="invalid_value")
+            raise APIError(
+                400,
+                f"min_tokens ({req.min_tokens}) must be at most max_tokens ({max_tokens})",
+                param="min_tokens",
+                code="invalid_value",
+            )
         return req.sampling_params(max_tokens)
 
-    async def _generate(self, rid: str, prompt_ids: list[int], params: SamplingParams, current: list):
+    async def _generate(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, current: list
+    ):
         """The request's deltas. If its replica dies or its engine fails, the request is resubmitted
         (any healthy replica) as prompt + the tokens already sent, for the remaining max_tokens: the
         client sees a slower stream, not an error, and greedy output is unchanged. The new engine's
@@ -195,18 +254,27 @@ class OpenAIIngress:
         shown, deadline, attempt, prompt_sent = "", None, 0, False
         while True:
             left = params.max_tokens - len(sent)
-            if left <= 0:  # no stop string is complete in what was sent; the failed engine held back the rest
+            if (
+                left <= 0
+            ):  # no stop string is complete in what was sent; the failed engine held back the rest
                 text = self.tokenizer.decode(sent, skip_special_tokens=True)
-                yield RequestOutput(rid, [], text[len(shown):], "length")
+                yield RequestOutput(rid, [], text[len(shown) :], "length")
                 return
             # a resumed request's prompt holds the sent tokens, which count for penalties and its text;
             # prompt log-probabilities (echo) go out once
-            resumed = {"max_tokens": left, "min_tokens": max(0, params.min_tokens - len(sent)),
-                       "prior_output_tokens": len(sent), "prior_text_sent": len(shown)}
+            resumed = {
+                "max_tokens": left,
+                "min_tokens": max(0, params.min_tokens - len(sent)),
+                "prior_output_tokens": len(sent),
+                "prior_text_sent": len(shown),
+            }
             if prompt_sent:
                 resumed["prompt_logprobs"] = None
-            current[0] = self.server.generate.remote(f"{rid}.{attempt}" if attempt else rid, prompt_ids + sent,
-                                                     params.model_copy(update=resumed))
+            current[0] = self.server.generate.remote(
+                f"{rid}.{attempt}" if attempt else rid,
+                prompt_ids + sent,
+                params.model_copy(update=resumed),
+            )
             try:
                 async for item in current[0]:
                     sent += item.new_token_ids
@@ -218,13 +286,24 @@ class OpenAIIngress:
                 deadline = deadline or time.monotonic() + self.cfg.resume_timeout_s
                 if not _resumable(e) or time.monotonic() >= deadline:
                     raise
-                log.warning("request %s: resuming after %d tokens (%s)", rid, len(sent), type(e).__name__)
+                log.warning(
+                    "request %s: resuming after %d tokens (%s)", rid, len(sent), type(e).__name__
+                )
             attempt += 1
             # until Serve notices the failure it may route to the failed replica again
-            await asyncio.sleep(min(0.25 * 2 ** attempt, 2.0))
+            await asyncio.sleep(min(0.25 * 2**attempt, 2.0))
 
-    async def _run(self, request: Request, prompt_ids, params, n: int, stream: bool, make_chunk, make_full,
-                   include_usage: bool):
+    async def _run(
+        self,
+        request: Request,
+        prompt_ids,
+        params,
+        n: int,
+        stream: bool,
+        make_chunk,
+        make_full,
+        include_usage: bool,
+    ):
         """Generate n choices (requests of their own; a seeded request's choice i has seed + i) and
         answer with all of them, or stream their chunks as they come. make_chunk(index, text, finish,
         logprobs) and make_full([(text, finish, logprobs)], usage) shape the bodies; logprobs are
@@ -232,8 +311,12 @@ class OpenAIIngress:
         rid = f"{request.state.request_id}/{uuid.uuid4().hex[:8]}"
         start = time.perf_counter()
         currents = [[None] for _ in range(n)]
-        outputs = [self._generate(rid if n == 1 else f"{rid}-{i}", prompt_ids, _choice_params(params, i), currents[i])
-                   for i in range(n)]
+        outputs = [
+            self._generate(
+                rid if n == 1 else f"{rid}-{i}", prompt_ids, _choice_params(params, i), currents[i]
+            )
+            for i in range(n)
+        ]
 
         def cancel_all():
             for current in currents:
@@ -245,6 +328,7 @@ class OpenAIIngress:
                 return await output.__anext__()
             except StopAsyncIteration:
                 return None
+
         # errors before admission (overload, bad input, no replica) become the HTTP status; the
         # replica's first output says the request was admitted
         firsts = await asyncio.gather(*(first(o) for o in outputs), return_exceptions=True)
@@ -290,7 +374,9 @@ class OpenAIIngress:
             if params.logprobs is None:
                 return None
             prompt = []
-            if item.prompt_logprobs is not None:  # echo: the prompt's tokens first, the first one without
+            if (
+                item.prompt_logprobs is not None
+            ):  # echo: the prompt's tokens first, the first one without
                 prompt = [(prompt_ids[0], None)] + list(zip(prompt_ids[1:], item.prompt_logprobs))
             return prompt + list(zip(item.new_token_ids, item.logprobs or []))
 
@@ -301,17 +387,33 @@ class OpenAIIngress:
                     observe(i, item)
                     texts[i].append(item.text_delta)
                     logprobs[i] += token_logprobs(item) or []
-            return make_full([("".join(t), s["finish"], lp if params.logprobs is not None else None)
-                              for t, s, lp in zip(texts, states, logprobs)], total_usage())
+            return make_full(
+                [
+                    ("".join(t), s["finish"], lp if params.logprobs is not None else None)
+                    for t, s, lp in zip(texts, states, logprobs)
+                ],
+                total_usage(),
+            )
 
         async def sse():
             try:
-                async with contextlib.aclosing(deltas()) as items:  # closed (requests cancelled) if the client goes
+                async with contextlib.aclosing(
+                    deltas()
+                ) as items:  # closed (requests cancelled) if the client goes
                     async for i, item in items:
                         observe(i, item)
-                        if item.text_delta or item.finish_reason or item.new_token_ids and params.logprobs is not None:
-                            chunk = make_chunk(i, item.text_delta, item.finish_reason, token_logprobs(item))
-                            if include_usage:  # OpenAI: every chunk has the field, null until the last
+                        if (
+                            item.text_delta
+                            or item.finish_reason
+                            or item.new_token_ids
+                            and params.logprobs is not None
+                        ):
+                            chunk = make_chunk(
+                                i, item.text_delta, item.finish_reason, token_logprobs(item)
+                            )
+                            if (
+                                include_usage
+                            ):  # OpenAI: every chunk has the field, null until the last
                                 chunk["usage"] = None
                             yield f"data: {json.dumps(chunk)}\n\n"
                 if include_usage:
@@ -319,24 +421,38 @@ class OpenAIIngress:
                 yield "data: [DONE]\n\n"
             except Exception as e:  # the stream already started: report in-band, OpenAI style
                 yield f"data: {json.dumps(_as_api_error(e).body())}\n\n"
+
         return StreamingResponse(sse(), media_type="text/event-stream")
 
     def _chat_ids(self, messages) -> list[int]:
         from speculative.engine import encode_prompt
-        return encode_prompt(self.tokenizer, [{"role": m.role if m.role != "developer" else "system",
-                                               "content": m.text()} for m in messages])
+
+        return encode_prompt(
+            self.tokenizer,
+            [
+                {"role": m.role if m.role != "developer" else "system", "content": m.text()}
+                for m in messages
+            ],
+        )
 
     @api.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
     async def chat(self, request: Request):
         req = await self._parse(request, ChatCompletionRequest)
         prompt_ids = self._chat_ids(req.messages)
-        params = self._sampling(req, prompt_ids, req.max_completion_tokens or req.max_tokens, "messages")
+        params = self._sampling(
+            req, prompt_ids, req.max_completion_tokens or req.max_tokens, "messages"
+        )
         cid, created = completion_id("chatcmpl"), now()
         sent_role = set()  # choices whose first chunk went out
 
         def chunk(index, text, finish, logprobs, usage_=None):
-            body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.cfg.model_name,
-                    "choices": []}
+            body = {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.cfg.model_name,
+                "choices": [],
+            }
             if usage_ is not None:
                 body["usage"] = usage_
                 return body
@@ -344,16 +460,34 @@ class OpenAIIngress:
             if index not in sent_role:
                 delta["role"] = "assistant"
                 sent_role.add(index)
-            body["choices"] = [{"index": index, "delta": delta, "finish_reason": finish,
-                                "logprobs": self.logprobs.chat(logprobs)}]
+            body["choices"] = [
+                {
+                    "index": index,
+                    "delta": delta,
+                    "finish_reason": finish,
+                    "logprobs": self.logprobs.chat(logprobs),
+                }
+            ]
             return body
 
         def full(choices, usage_):
-            return {"id": cid, "object": "chat.completion", "created": created, "model": self.cfg.model_name,
-                    "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                                 "logprobs": self.logprobs.chat(logprobs)}
-                                for i, (text, finish, logprobs) in enumerate(choices)],
-                    "usage": usage_}
+            return {
+                "id": cid,
+                "object": "chat.completion",
+                "created": created,
+                "model": self.cfg.model_name,
+                "choices": [
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": text},
+                        "finish_reason": finish,
+                        "logprobs": self.logprobs.chat(logprobs),
+                    }
+                    for i, (text, finish, logprobs) in enumerate(choices)
+                ],
+                "usage": usage_,
+            }
+
         include = bool(req.stream_options and req.stream_options.include_usage)
         return await self._run(request, prompt_ids, params, req.n, req.stream, chunk, full, include)
 
@@ -366,14 +500,21 @@ class OpenAIIngress:
             prompt_ids = req.prompt
             vocab = len(self.tokenizer)
             if any(not 0 <= t < vocab for t in prompt_ids):
-                raise APIError(400, f"prompt token ids must lie in 0..{vocab - 1}", param="prompt", code="invalid_value")
+                raise APIError(
+                    400,
+                    f"prompt token ids must lie in 0..{vocab - 1}",
+                    param="prompt",
+                    code="invalid_value",
+                )
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
         params = self._sampling(req, prompt_ids, req.max_tokens, "prompt")
         cid, created = completion_id("cmpl"), now()
         offsets = [TextOffsets(len(prompt_ids) if req.echo else 0) for _ in range(req.n)]
         echo = set() if req.echo else set(range(req.n))  # choices whose text has its prompt already
-        prompt_text = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(prompt_ids)
+        prompt_text = (
+            req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(prompt_ids)
+        )
 
         def text_of(index, text):
             if index in echo:
@@ -382,38 +523,76 @@ class OpenAIIngress:
             return prompt_text + (text or "")
 
         def chunk(index, text, finish, logprobs, usage_=None):
-            body = {"id": cid, "object": "text_completion", "created": created, "model": self.cfg.model_name,
-                    "choices": [] if usage_ else [{"index": index, "text": text_of(index, text), "finish_reason": finish,
-                                                   "logprobs": self.logprobs.completion(logprobs, offsets[index])}]}
+            body = {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": self.cfg.model_name,
+                "choices": []
+                if usage_
+                else [
+                    {
+                        "index": index,
+                        "text": text_of(index, text),
+                        "finish_reason": finish,
+                        "logprobs": self.logprobs.completion(logprobs, offsets[index]),
+                    }
+                ],
+            }
             if usage_:
                 body["usage"] = usage_
             return body
 
         def full(choices, usage_):
-            return {"id": cid, "object": "text_completion", "created": created, "model": self.cfg.model_name,
-                    "choices": [{"index": i, "text": text_of(i, text), "finish_reason": finish,
-                                 "logprobs": self.logprobs.completion(logprobs, offsets[i])}
-                                for i, (text, finish, logprobs) in enumerate(choices)], "usage": usage_}
+            return {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": self.cfg.model_name,
+                "choices": [
+                    {
+                        "index": i,
+                        "text": text_of(i, text),
+                        "finish_reason": finish,
+                        "logprobs": self.logprobs.completion(logprobs, offsets[i]),
+                    }
+                    for i, (text, finish, logprobs) in enumerate(choices)
+                ],
+                "usage": usage_,
+            }
+
         include = bool(req.stream_options and req.stream_options.include_usage)
         return await self._run(request, prompt_ids, params, req.n, req.stream, chunk, full, include)
 
     @api.post("/tokenize", openapi_extra=json_body(TokenizeRequest))
     async def tokenize(self, request: Request):
         req = await self._parse(request, TokenizeRequest)
-        ids = self._chat_ids(req.messages) if req.messages is not None else \
-            self.tokenizer.encode(req.prompt, add_special_tokens=False)
+        ids = (
+            self._chat_ids(req.messages)
+            if req.messages is not None
+            else self.tokenizer.encode(req.prompt, add_special_tokens=False)
+        )
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
 
     @api.post("/detokenize", openapi_extra=json_body(DetokenizeRequest))
     async def detokenize(self, request: Request):
         req = await self._parse(request, DetokenizeRequest)
         if any(not 0 <= t < len(self.tokenizer) for t in req.tokens):
-            raise APIError(400, f"token ids must lie in 0..{len(self.tokenizer) - 1}", param="tokens",
-                           code="invalid_value")
+            raise APIError(
+                400,
+                f"token ids must lie in 0..{len(self.tokenizer) - 1}",
+                param="tokens",
+                code="invalid_value",
+            )
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
     def _model_card(self) -> dict:
-        return {"id": self.cfg.model_name, "object": "model", "created": now(), "owned_by": "eagleserve"}
+        return {
+            "id": self.cfg.model_name,
+            "object": "model",
+            "created": now(),
+            "owned_by": "eagleserve",
+        }
 
     @api.get("/v1/models")
     async def models(self, request: Request):
@@ -424,7 +603,9 @@ class OpenAIIngress:
     async def model(self, model: str, request: Request):
         self._authorize(request)
         if model != self.cfg.model_name:
-            raise APIError(404, f"model {model!r} does not exist", param="model", code="model_not_found")
+            raise APIError(
+                404, f"model {model!r} does not exist", param="model", code="model_not_found"
+            )
         return self._model_card()
 
     @api.get("/health")
@@ -432,20 +613,26 @@ class OpenAIIngress:
         try:  # a replica that does not answer is not healthy either
             stats = await asyncio.wait_for(self.stats_handle.stats.remote(), timeout=5)
         except Exception as e:
-            raise APIError(503, f"the engine does not answer: {type(e).__name__}", "server_error") from None
+            raise APIError(
+                503, f"the engine does not answer: {type(e).__name__}", "server_error"
+            ) from None
         if not stats["healthy"]:
             raise APIError(503, "the engine is not healthy", "server_error")
         return {"status": "ok"}
 
     @api.get("/metrics")
     async def metrics(self):
-        return PlainTextResponse(self.metrics.render(await self.stats_handle.stats.remote()),
-                                 media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            self.metrics.render(await self.stats_handle.stats.remote()),
+            media_type="text/plain; version=0.0.4",
+        )
 
 
 def build_app(cfg: ServeConfig | dict):
     """The Serve application. `serve run deployments/serve_config.yaml` calls this with its args."""
     cfg = ServeConfig.model_validate(cfg) if isinstance(cfg, dict) else cfg
     server = LLMServer.options(**llm_server_options(cfg)).bind(cfg)
-    return OpenAIIngress.options(ray_actor_options={"num_cpus": 0.01},
-                                 max_ongoing_requests=cfg.max_ongoing_requests * cfg.num_replicas).bind(server, cfg)
+    return OpenAIIngress.options(
+        ray_actor_options={"num_cpus": 0.01},
+        max_ongoing_requests=cfg.max_ongoing_requests * cfg.num_replicas,
+    ).bind(server, cfg)

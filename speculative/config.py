@@ -1,13 +1,15 @@
 """User-facing configuration (pydantic, extra fields forbidden). Never mutated at runtime."""
+
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
-
 GREEDY_BELOW = 1e-5  # temperatures under it decode greedily, as in vLLM
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
 MAX_STOP_IDS = 80  # EOS ids + stop_token_ids that min_tokens holds back, per request
-LogitBiasValue = Annotated[float, Strict(), Field(ge=-100.0, le=100.0)]  # Strict: JSON true is no bias
+LogitBiasValue = Annotated[
+    float, Strict(), Field(ge=-100.0, le=100.0)
+]  # Strict: JSON true is no bias
 
 
 class SamplingParams(BaseModel):
@@ -15,14 +17,18 @@ class SamplingParams(BaseModel):
 
     temperature: float = Field(0.0, ge=0.0, le=2.0)  # 0 means greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, le=2**31 - 1)        # 0 or -1: off; any k over the vocabulary is no cut
-    min_p: float = Field(0.0, ge=0.0, le=1.0)         # 0: off
+    top_k: int = Field(0, ge=-1, le=2**31 - 1)  # 0 or -1: off; any k over the vocabulary is no cut
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # 0: off
     seed: int | None = Field(None, ge=0, lt=2**63)
     max_tokens: int = Field(256, ge=1)
     stop: list[str] = Field(default_factory=list, max_length=4)
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)  # end like EOS (vLLM's extension)
+    stop_token_ids: list[int] = Field(
+        default_factory=list, max_length=64
+    )  # end like EOS (vLLM's extension)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)  # vLLM's: no EOS, stop token or stop string ends the output before this many
+    min_tokens: int = Field(
+        0, ge=0
+    )  # vLLM's: no EOS, stop token or stop string ends the output before this many
     # OpenAI's: logits -= frequency_penalty * count + presence_penalty * (count > 0), over the output so far
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -31,10 +37,16 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     # OpenAI's: added to the logits of these token ids
     logit_bias: dict[int, LogitBiasValue] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
-    prior_output_tokens: int = Field(0, ge=0)  # the prompt ends with this request's earlier output (resumed)
+    prior_output_tokens: int = Field(
+        0, ge=0
+    )  # the prompt ends with this request's earlier output (resumed)
     prior_text_sent: int = Field(0, ge=0)  # characters of that output's text the client already has
-    logprobs: int | None = Field(None, ge=0, le=20)  # None: off; else the chosen token's + this many top ones
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # the same for the prompt's tokens (after the first)
+    logprobs: int | None = Field(
+        None, ge=0, le=20
+    )  # None: off; else the chosen token's + this many top ones
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=20
+    )  # the same for the prompt's tokens (after the first)
 
     @field_validator("temperature")
     @classmethod
@@ -47,7 +59,9 @@ class SamplingParams(BaseModel):
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
+            )
         return self
 
     @property
@@ -59,12 +73,12 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = "smollm2-135m"
-    drafter: str = "default"                          # "default", "none" or a directory
+    drafter: str = "default"  # "default", "none" or a directory
     # K; ignored when drafter is "none". 5: with the default drafter, K=5 was faster than K=3 on the
     # H200 at batch 1, 8 and 32 (BENCHMARKS.md, run E); on CPU the two were within noise
     num_draft_tokens: int = Field(5, ge=1, le=16)
     max_batch_size: int = Field(8, ge=1, le=1024)
-    max_model_len: int = Field(2048, ge=16)           # prompt + output tokens per request
+    max_model_len: int = Field(2048, ge=16)  # prompt + output tokens per request
     max_num_batched_tokens: int = Field(4096, ge=16)  # prefill tokens per step
     memory_budget_gb: float | None = Field(None, gt=0)  # caps max_batch_size by KV cache size
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -72,7 +86,7 @@ class EngineConfig(BaseModel):
     tp: int = Field(1, ge=1)
     overlap: bool = True
     cuda_graphs: bool = True
-    graph_first_draft: bool = False                   # one graph per greedy decode step: verify + all drafts
+    graph_first_draft: bool = False  # one graph per greedy decode step: verify + all drafts
     # prompt lookup in the draft chain (speculative/prompt_lookup.py): where the drafter's own draft
     # has probability below this, draft the token that followed the last five tokens earlier in
     # the request instead. 0: off
@@ -80,7 +94,9 @@ class EngineConfig(BaseModel):
     # the draft tree (speculative/draft_tree.py): at every depth of the chain, the drafter's next
     # this many choices are verified too, in the same target pass. 0: a chain
     draft_siblings: int = Field(0, ge=0, le=4)
-    seed: int = Field(0, ge=0, le=2**40)              # seeds requests that bring none (seed * 1000003 + n fits int64)
+    seed: int = Field(
+        0, ge=0, le=2**40
+    )  # seeds requests that bring none (seed * 1000003 + n fits int64)
 
     @model_validator(mode="after")
     def _check(self):

@@ -1,6 +1,7 @@
 """The coordinator: the decode loop that drives the tensor-parallel group (`speculative.executor`).
 `Coordinator` runs the overlapped loop of `LLMEngine` over a `RayExecutor` in a thread and streams
 each request's tokens as they are accepted; `CoordinatorActor` is the same as a Ray actor."""
+
 import asyncio
 import logging
 import queue
@@ -32,8 +33,8 @@ class Coordinator:
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop | None, object]] = {}
         self.streams_lock = threading.Lock()  # add() registers from callers' threads
         self.error: str | None = None
-        self.wait_s = 0.0           # loop time spent blocked on workers
-        self.busy_s = 0.0           # loop time with work to do
+        self.wait_s = 0.0  # loop time spent blocked on workers
+        self.busy_s = 0.0  # loop time with work to do
         self.step_started: float | None = None  # monotonic start of the engine step in progress
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="coordinator-loop", daemon=True)
@@ -41,7 +42,9 @@ class Coordinator:
 
     # ---- called from other threads ----
 
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink=None, loop=None) -> None:
+    def add(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink=None, loop=None
+    ) -> None:
         """Validate now (errors raise here), then enqueue for the loop thread."""
         if self.error or self.stopped.is_set():
             raise EngineDeadError(self.error or "the engine was shut down")
@@ -75,20 +78,36 @@ class Coordinator:
                 out = item
                 tokens += item.new_token_ids
                 logprobs += item.logprobs or []
-            results.append({"token_ids": tokens, "finish_reason": out.finish_reason if out else None,
-                            "acceptance_length": out.acceptance_length if out else 1.0,
-                            "logprobs": logprobs if params.logprobs is not None else None})
+            results.append(
+                {
+                    "token_ids": tokens,
+                    "finish_reason": out.finish_reason if out else None,
+                    "acceptance_length": out.acceptance_length if out else 1.0,
+                    "logprobs": logprobs if params.logprobs is not None else None,
+                }
+            )
         return results
 
     def stats(self) -> dict:
         s = self.engine.scheduler.stats
-        return {"num_slots": self.engine.scheduler.num_slots, "num_running": self.engine.scheduler.num_running,
-                "num_waiting": self.engine.scheduler.num_waiting,
-                "num_steps": self.executor.timings.num_steps, "send_s": self.executor.timings.send_s,
-                "wait_s": self.wait_s, "busy_s": self.busy_s, "device_s": self.engine.device_s, "worker_execute_s": self.executor.timings.execute_s,
-                "num_rows": s.num_rows, "num_extra_rows": s.num_extra_rows, "num_verify_rows": s.num_verify_rows,
-                "draft_proposed": s.num_draft_proposed, "draft_accepted": s.num_draft_accepted,
-                "accepted_at": list(s.accepted_at), "healthy": self.error is None}
+        return {
+            "num_slots": self.engine.scheduler.num_slots,
+            "num_running": self.engine.scheduler.num_running,
+            "num_waiting": self.engine.scheduler.num_waiting,
+            "num_steps": self.executor.timings.num_steps,
+            "send_s": self.executor.timings.send_s,
+            "wait_s": self.wait_s,
+            "busy_s": self.busy_s,
+            "device_s": self.engine.device_s,
+            "worker_execute_s": self.executor.timings.execute_s,
+            "num_rows": s.num_rows,
+            "num_extra_rows": s.num_extra_rows,
+            "num_verify_rows": s.num_verify_rows,
+            "draft_proposed": s.num_draft_proposed,
+            "draft_accepted": s.num_draft_accepted,
+            "accepted_at": list(s.accepted_at),
+            "healthy": self.error is None,
+        }
 
     def step_age_s(self) -> float:
         """How long the step in progress has run (0 when none): a hung collective shows here."""
@@ -148,7 +167,11 @@ class Coordinator:
 
     def _iterate(self) -> None:
         try:
-            command = self.commands.get(timeout=0.5) if not self.engine.has_work else self.commands.get_nowait()
+            command = (
+                self.commands.get(timeout=0.5)
+                if not self.engine.has_work
+                else self.commands.get_nowait()
+            )
             self._apply(command)
             return
         except queue.Empty:

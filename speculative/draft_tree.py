@@ -5,6 +5,7 @@ token after the sibling comes from the same pass: one more token per such step, 
 drafter forward. Node 0 is the pending token, nodes 1..K the chain, node K(m+1)+d sibling m at
 depth d (m from 0, d from 1). In the verify pass node i is written to KV row base+i and sees
 the nodes on its path from the root; an accepted sibling's K/V is then moved to its depth's row."""
+
 import torch
 
 

@@ -8,6 +8,7 @@ A 2-D weight may also be stored as int8 with a float32 scale per output row, `<n
 (`quantize_int8`): half the bytes of bfloat16, dequantized on load. The other tools load the
 bfloat16 form only.
 """
+
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,28 +40,45 @@ class DrafterConfig:
     @classmethod
     def from_hf(cls, cfg: dict) -> "DrafterConfig":
         if cfg.get("num_hidden_layers", 1) != 1:
-            raise ValueError("EAGLE-3 drafters have num_hidden_layers 1, "
-                             f"this config has {cfg['num_hidden_layers']}")
+            raise ValueError(
+                "EAGLE-3 drafters have num_hidden_layers 1, "
+                f"this config has {cfg['num_hidden_layers']}"
+            )
         heads = cfg["num_attention_heads"]
-        aux = cfg.get("eagle_aux_hidden_state_layer_ids") or \
-            (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        aux = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
+            "eagle_aux_hidden_state_layer_ids"
+        )
         return cls(
-            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-            num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads", heads),
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads", heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=cfg.get("rope_theta", 10000.0),
-            vocab_size=cfg["vocab_size"], draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=cfg.get("rope_theta", 10000.0),
+            vocab_size=cfg["vocab_size"],
+            draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
             target_hidden_size=cfg.get("target_hidden_size") or cfg["hidden_size"],
-            aux_layer_ids=tuple(aux) if aux else None)
+            aux_layer_ids=tuple(aux) if aux else None,
+        )
 
     def to_hf(self) -> dict:
         cfg = {
-            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
-            "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
-            "target_hidden_size": self.target_hidden_size, "hidden_act": "silu", "tie_word_embeddings": False,
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "num_hidden_layers": 1,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
         }
         if self.aux_layer_ids is not None:
             cfg["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layer_ids)
@@ -73,25 +91,36 @@ class Eagle3Layer(nn.Module):
         H = cfg.hidden_size
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.self_attn = CachedAttention(2 * H, H, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rotary, group)
+        self.self_attn = CachedAttention(
+            2 * H, H, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, rotary, group
+        )
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = MLP(H, cfg.intermediate_size, group)
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         h = hidden + self.self_attn(x, batch, attention_inputs(batch, self.self_attn, x.dtype))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Eagle3Drafter(nn.Module):
-    def __init__(self, cfg: DrafterConfig, num_aux: int = 3, group=None, max_positions: int = 4096,
-                 embed_tokens: VocabParallelEmbedding | None = None):
+    def __init__(
+        self,
+        cfg: DrafterConfig,
+        num_aux: int = 3,
+        group=None,
+        max_positions: int = 4096,
+        embed_tokens: VocabParallelEmbedding | None = None,
+    ):
         super().__init__()
         self.cfg = cfg
         self.rotary = Rotary(cfg.head_dim, max_positions, cfg.rope_theta)
         self.has_own_embeddings = embed_tokens is None
-        self.embed_tokens = embed_tokens or VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group)
+        self.embed_tokens = embed_tokens or VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden_size, group
+        )
         self.fc = ReplicatedLinear(num_aux * cfg.target_hidden_size, cfg.hidden_size)
         self.midlayer = Eagle3Layer(cfg, self.rotary, group)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -99,8 +128,9 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
 
-    def forward(self, ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
-                from_features: bool) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, from_features: bool
+    ) -> torch.Tensor:
         """ids [B, T]; hidden [B, T, 3H_target] target features (first draft forward, `fc` applied
         here) or [B, T, H] the drafter's own previous output. Returns the pre-norm output [B, T, H]."""
         if from_features:
@@ -113,7 +143,9 @@ class Eagle3Drafter(nn.Module):
         draft_ids = _top(self.lm_head(self.norm(hidden)), num)
         return draft_ids + self.d2t[draft_ids]
 
-    def propose_scored(self, hidden: torch.Tensor, num: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose_scored(
+        self, hidden: torch.Tensor, num: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm output [..., H] -> (`propose`'s tokens [..., num], the drafter's probabilities of them)."""
         probs = self.lm_head(self.norm(hidden)).float().softmax(-1)
         draft_ids = _top(probs, num)
@@ -132,6 +164,7 @@ def _top(scores: torch.Tensor, num: int) -> torch.Tensor:
 
 # ---- checkpoint format ----
 
+
 def _standard_name(name: str) -> str:
     """Accept both the EAGLE authors' names and the `model.`-prefixed variant some tools write."""
     name = name.removeprefix("model.")
@@ -145,12 +178,17 @@ def read_drafter_config(path: Path) -> DrafterConfig:
     try:
         return DrafterConfig.from_hf(cfg)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-        raise ValueError(f"{Path(path) / 'config.json'}: not an EAGLE-3 drafter config ({type(e).__name__}: {e})") \
-            from None
+        raise ValueError(
+            f"{Path(path) / 'config.json'}: not an EAGLE-3 drafter config ({type(e).__name__}: {e})"
+        ) from None
 
 
-def load_drafter(path: Path, group=None, target_embeddings: VocabParallelEmbedding | None = None,
-                 max_positions: int = 4096) -> Eagle3Drafter:
+def load_drafter(
+    path: Path,
+    group=None,
+    target_embeddings: VocabParallelEmbedding | None = None,
+    max_positions: int = 4096,
+) -> Eagle3Drafter:
     """A drafter directory, checked against the target when its embeddings are given (every drafter
     made for a target is loaded so): mismatches fail here, not in the first draft step."""
     path = Path(path)
@@ -163,23 +201,35 @@ def load_drafter(path: Path, group=None, target_embeddings: VocabParallelEmbeddi
     if target_embeddings is not None:
         vocab, hidden = target_embeddings.vocab_size, target_embeddings.weight.shape[1]
         if (cfg.vocab_size, cfg.target_hidden_size) != (vocab, hidden):
-            raise ValueError(f"{source} was made for a target with {cfg.vocab_size} tokens and hidden size "
-                             f"{cfg.target_hidden_size}, not this one ({vocab}, {hidden})")
+            raise ValueError(
+                f"{source} was made for a target with {cfg.vocab_size} tokens and hidden size "
+                f"{cfg.target_hidden_size}, not this one ({vocab}, {hidden})"
+            )
         if not own and cfg.hidden_size != hidden:
-            raise ValueError(f"{source} has hidden size {cfg.hidden_size} but no embed_tokens.weight of its own: "
-                             f"the target's are {hidden} wide")
-    num_aux = len(cfg.aux_layer_ids) if cfg.aux_layer_ids else 3  # the target's default (2, L/2, L-3)
+            raise ValueError(
+                f"{source} has hidden size {cfg.hidden_size} but no embed_tokens.weight of its own: "
+                f"the target's are {hidden} wide"
+            )
+    num_aux = (
+        len(cfg.aux_layer_ids) if cfg.aux_layer_ids else 3
+    )  # the target's default (2, L/2, L-3)
     drafter = Eagle3Drafter(cfg, num_aux, group, max_positions, None if own else target_embeddings)
     d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
     if d2t is None or t2d is None:
         raise ValueError(f"{source} lacks {'d2t' if d2t is None else 't2d'}")
     if d2t.shape != (cfg.draft_vocab_size,) or d2t.is_floating_point() or d2t.dtype == torch.bool:
-        raise ValueError(f"{source}: d2t must be {cfg.draft_vocab_size} integers, not {d2t.dtype} {list(d2t.shape)}")
+        raise ValueError(
+            f"{source}: d2t must be {cfg.draft_vocab_size} integers, not {d2t.dtype} {list(d2t.shape)}"
+        )
     target_ids = torch.arange(cfg.draft_vocab_size) + d2t
     if cfg.draft_vocab_size and not 0 <= target_ids.min() <= target_ids.max() < cfg.vocab_size:
-        raise ValueError(f"{source}: d2t maps draft tokens to ids outside the {cfg.vocab_size}-token vocabulary")
+        raise ValueError(
+            f"{source}: d2t maps draft tokens to ids outside the {cfg.vocab_size}-token vocabulary"
+        )
     if t2d.shape != (cfg.vocab_size,) or t2d.dtype != torch.bool:
-        raise ValueError(f"{source}: t2d must be {cfg.vocab_size} bools, not {t2d.dtype} {list(t2d.shape)}")
+        raise ValueError(
+            f"{source}: t2d must be {cfg.vocab_size} bools, not {t2d.dtype} {list(t2d.shape)}"
+        )
     drafter.d2t.copy_(d2t)
     drafter.t2d.copy_(t2d)
     load_weights(drafter, tensors.items(), source, () if own else ("embed_tokens",))
@@ -194,15 +244,21 @@ def drafter_state_dict(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
     q, k, v = layer.self_attn.qkv_proj.weight.split([heads * D, kv * D, kv * D])
     gate, up = layer.mlp.gate_up_proj.weight.chunk(2)
     state = {
-        "midlayer.self_attn.q_proj.weight": q, "midlayer.self_attn.k_proj.weight": k,
-        "midlayer.self_attn.v_proj.weight": v, "midlayer.self_attn.o_proj.weight": layer.self_attn.o_proj.weight,
-        "midlayer.mlp.gate_proj.weight": gate, "midlayer.mlp.up_proj.weight": up,
+        "midlayer.self_attn.q_proj.weight": q,
+        "midlayer.self_attn.k_proj.weight": k,
+        "midlayer.self_attn.v_proj.weight": v,
+        "midlayer.self_attn.o_proj.weight": layer.self_attn.o_proj.weight,
+        "midlayer.mlp.gate_proj.weight": gate,
+        "midlayer.mlp.up_proj.weight": up,
         "midlayer.mlp.down_proj.weight": layer.mlp.down_proj.weight,
         "midlayer.input_layernorm.weight": layer.input_layernorm.weight,
         "midlayer.hidden_norm.weight": layer.hidden_norm.weight,
         "midlayer.post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
-        "fc.weight": drafter.fc.weight, "norm.weight": drafter.norm.weight,
-        "lm_head.weight": drafter.lm_head.weight, "d2t": drafter.d2t, "t2d": drafter.t2d,
+        "fc.weight": drafter.fc.weight,
+        "norm.weight": drafter.norm.weight,
+        "lm_head.weight": drafter.lm_head.weight,
+        "d2t": drafter.d2t,
+        "t2d": drafter.t2d,
     }
     if drafter.has_own_embeddings:
         state["embed_tokens.weight"] = drafter.embed_tokens.weight
@@ -223,26 +279,37 @@ def quantize_int8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def dequantize_int8(tensors: dict[str, torch.Tensor], source: str = "drafter") -> dict[str, torch.Tensor]:
+def dequantize_int8(
+    tensors: dict[str, torch.Tensor], source: str = "drafter"
+) -> dict[str, torch.Tensor]:
     """The inverse of `quantize_int8` (float32 weights); tensors without a scale pass through."""
     out = {n: t for n, t in tensors.items() if not n.endswith("_scale")}
     for name in tensors.keys() - out.keys():
         if name.removesuffix("_scale") not in out:
-            raise ValueError(f"{source}: tensor {name!r} has no weight {name.removesuffix('_scale')!r} beside it")
+            raise ValueError(
+                f"{source}: tensor {name!r} has no weight {name.removesuffix('_scale')!r} beside it"
+            )
     for name, t in out.items():
         scale = tensors.get(name + "_scale")
         if scale is not None:
             if t.dim() != 2 or scale.shape != (t.shape[0], 1):
-                raise ValueError(f"{source}: {name}_scale has shape {list(scale.shape)}, expected "
-                                 f"[rows, 1] for its {list(t.shape)} weight")
+                raise ValueError(
+                    f"{source}: {name}_scale has shape {list(scale.shape)}, expected "
+                    f"[rows, 1] for its {list(t.shape)} weight"
+                )
             out[name] = t.float() * scale.float()
         elif t.dtype == torch.int8:
             raise ValueError(f"{source}: int8 tensor {name!r} has no {name + '_scale'!r} beside it")
     return out
 
 
-def save_drafter(path: Path, cfg: DrafterConfig, state: dict[str, torch.Tensor],
-                 dtype: torch.dtype | None = None, max_shard_bytes: int | None = None) -> None:
+def save_drafter(
+    path: Path,
+    cfg: DrafterConfig,
+    state: dict[str, torch.Tensor],
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int | None = None,
+) -> None:
     """Write config.json + the weights in the standard EAGLE-3 layout: model.safetensors, or, when
     they exceed `max_shard_bytes`, model-0000i-of-0000n.safetensors + model.safetensors.index.json
     (the Hugging Face layout). Weight files of an earlier save that are not rewritten are removed."""
@@ -253,20 +320,35 @@ def save_drafter(path: Path, cfg: DrafterConfig, state: dict[str, torch.Tensor],
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
     for name, tensor in state.items():  # in order, a new shard once the current one would overflow
-        if max_shard_bytes is not None and shards[-1] and shard_bytes + tensor.nbytes > max_shard_bytes:
+        if (
+            max_shard_bytes is not None
+            and shards[-1]
+            and shard_bytes + tensor.nbytes > max_shard_bytes
+        ):
             shards.append({})
             shard_bytes = 0
         shards[-1][name] = tensor.contiguous()
         shard_bytes += tensor.nbytes
-    names = ["model.safetensors"] if len(shards) == 1 else \
-        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     for name, shard in zip(names, shards):
         save_file(shard, str(path / name))
     index = path / "model.safetensors.index.json"
     if len(shards) > 1:
-        index.write_text(json.dumps({
-            "metadata": {"total_size": sum(t.nbytes for t in state.values())},
-            "weight_map": {tensor: name for name, shard in zip(names, shards) for tensor in shard}}, indent=2))
+        index.write_text(
+            json.dumps(
+                {
+                    "metadata": {"total_size": sum(t.nbytes for t in state.values())},
+                    "weight_map": {
+                        tensor: name for name, shard in zip(names, shards) for tensor in shard
+                    },
+                },
+                indent=2,
+            )
+        )
     else:
         index.unlink(missing_ok=True)
     for stale in set(path.glob("model*.safetensors")) - {path / n for n in names}:
@@ -274,8 +356,9 @@ def save_drafter(path: Path, cfg: DrafterConfig, state: dict[str, torch.Tensor],
     (path / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
 
 
-def random_drafter_state(cfg: DrafterConfig, num_aux: int = 3, seed: int = 0,
-                         with_embeddings: bool = False) -> dict[str, torch.Tensor]:
+def random_drafter_state(
+    cfg: DrafterConfig, num_aux: int = 3, seed: int = 0, with_embeddings: bool = False
+) -> dict[str, torch.Tensor]:
     """Random weights in the standard layout, an identity d2t (draft vocab = first ids)."""
     g = torch.Generator().manual_seed(seed)
     H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
@@ -285,13 +368,18 @@ def random_drafter_state(cfg: DrafterConfig, num_aux: int = 3, seed: int = 0,
         return torch.randn(*shape, generator=g) * 0.02
 
     state = {
-        "midlayer.self_attn.q_proj.weight": w(heads * D, 2 * H), "midlayer.self_attn.k_proj.weight": w(kv * D, 2 * H),
-        "midlayer.self_attn.v_proj.weight": w(kv * D, 2 * H), "midlayer.self_attn.o_proj.weight": w(H, heads * D),
-        "midlayer.mlp.gate_proj.weight": w(I, H), "midlayer.mlp.up_proj.weight": w(I, H),
+        "midlayer.self_attn.q_proj.weight": w(heads * D, 2 * H),
+        "midlayer.self_attn.k_proj.weight": w(kv * D, 2 * H),
+        "midlayer.self_attn.v_proj.weight": w(kv * D, 2 * H),
+        "midlayer.self_attn.o_proj.weight": w(H, heads * D),
+        "midlayer.mlp.gate_proj.weight": w(I, H),
+        "midlayer.mlp.up_proj.weight": w(I, H),
         "midlayer.mlp.down_proj.weight": w(H, I),
-        "midlayer.input_layernorm.weight": torch.ones(H), "midlayer.hidden_norm.weight": torch.ones(H),
+        "midlayer.input_layernorm.weight": torch.ones(H),
+        "midlayer.hidden_norm.weight": torch.ones(H),
         "midlayer.post_attention_layernorm.weight": torch.ones(H),
-        "fc.weight": w(H, num_aux * cfg.target_hidden_size), "norm.weight": torch.ones(H),
+        "fc.weight": w(H, num_aux * cfg.target_hidden_size),
+        "norm.weight": torch.ones(H),
         "lm_head.weight": w(cfg.draft_vocab_size, H),
         "d2t": torch.zeros(cfg.draft_vocab_size, dtype=torch.long),
         "t2d": torch.arange(cfg.vocab_size) < cfg.draft_vocab_size,
@@ -301,15 +389,23 @@ def random_drafter_state(cfg: DrafterConfig, num_aux: int = 3, seed: int = 0,
     return state
 
 
-def drafter_config_for(target_cfg, draft_vocab_size: int | None = None,
-                       aux_layer_ids: tuple[int, ...] | None = None) -> DrafterConfig:
+def drafter_config_for(
+    target_cfg, draft_vocab_size: int | None = None, aux_layer_ids: tuple[int, ...] | None = None
+) -> DrafterConfig:
     """A drafter config shaped like one layer of the target (what EAGLE-3 trains by default)."""
     return DrafterConfig(
-        hidden_size=target_cfg.hidden_size, intermediate_size=target_cfg.intermediate_size,
-        num_attention_heads=target_cfg.num_attention_heads, num_key_value_heads=target_cfg.num_key_value_heads,
-        head_dim=target_cfg.head_dim, rms_norm_eps=target_cfg.rms_norm_eps, rope_theta=target_cfg.rope_theta,
-        vocab_size=target_cfg.vocab_size, draft_vocab_size=draft_vocab_size or target_cfg.vocab_size,
-        target_hidden_size=target_cfg.hidden_size, aux_layer_ids=aux_layer_ids)
+        hidden_size=target_cfg.hidden_size,
+        intermediate_size=target_cfg.intermediate_size,
+        num_attention_heads=target_cfg.num_attention_heads,
+        num_key_value_heads=target_cfg.num_key_value_heads,
+        head_dim=target_cfg.head_dim,
+        rms_norm_eps=target_cfg.rms_norm_eps,
+        rope_theta=target_cfg.rope_theta,
+        vocab_size=target_cfg.vocab_size,
+        draft_vocab_size=draft_vocab_size or target_cfg.vocab_size,
+        target_hidden_size=target_cfg.hidden_size,
+        aux_layer_ids=aux_layer_ids,
+    )
 
 
 DEFAULT_DRAFTERS = {"smollm2-135m": Path(__file__).parent / "drafters" / "smollm2-135m"}
@@ -319,12 +415,14 @@ def drafter_dir(name: str) -> Path:
     """A drafter given as a directory, or an error that says what is wrong with it."""
     path = Path(name)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"drafter {name!r}: not 'default', 'none' or a directory with config.json")
+        raise FileNotFoundError(
+            f"drafter {name!r}: not 'default', 'none' or a directory with config.json"
+        )
     return path
 
 
 def resolve_drafter(name: str, model: str, target_cfg) -> Path:
-    """"default" -> the project's trained drafter for this model, else a random-weight drafter
+    """ "default" -> the project's trained drafter for this model, else a random-weight drafter
     (acceptance near zero, output still exact); anything else is a drafter directory."""
     if name != "default":
         return drafter_dir(name)
@@ -332,7 +430,9 @@ def resolve_drafter(name: str, model: str, target_cfg) -> Path:
     if trained is not None and (trained / "config.json").is_file():
         return trained
     import hashlib
+
     from workers.loader import cache_root
+
     cfg = drafter_config_for(target_cfg)
     # keyed by shape too: two models whose directories share a name must not share a drafter
     shape = hashlib.sha1(json.dumps(cfg.to_hf(), sort_keys=True).encode()).hexdigest()[:10]

@@ -1,5 +1,6 @@
 """The decode loop in one process: scheduler + an executor (a local ModelRunner, or the Ray
 workers behind the same `execute(plan) -> handle` interface), keeping one step in flight."""
+
 import itertools
 import logging
 from collections import deque
@@ -14,7 +15,9 @@ def encode_prompt(tokenizer, prompt: str | list[dict], raw: bool = False) -> lis
     """Text (or chat messages) -> token ids; the chat template is applied unless `raw`."""
     if raw:
         return tokenizer.encode(prompt, add_special_tokens=False)
-    return encode_chats(tokenizer, [[{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt])[0]
+    return encode_chats(
+        tokenizer, [[{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt]
+    )[0]
 
 
 def encode_chats(tokenizer, chats: list[list[dict]]) -> list[list[int]]:
@@ -25,7 +28,11 @@ def encode_chats(tokenizer, chats: list[list[dict]]) -> list[list[int]]:
 
 
 def eos_ids(tokenizer, model_config: dict) -> set[int]:
-    ids = {tokenizer.eos_token_id} if tokenizer is not None and tokenizer.eos_token_id is not None else set()
+    ids = (
+        {tokenizer.eos_token_id}
+        if tokenizer is not None and tokenizer.eos_token_id is not None
+        else set()
+    )
     eos = model_config.get("eos_token_id")
     ids |= set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
     return ids
@@ -34,25 +41,39 @@ def eos_ids(tokenizer, model_config: dict) -> set[int]:
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, executor=None):
         from workers.loader import load_config, load_tokenizer, resolve_model
+
         self.cfg = cfg
         model_dir = resolve_model(cfg.model)
         self.tokenizer = load_tokenizer(model_dir)
         if executor is None:
             from workers.model_runner import ModelRunner
+
             executor = ModelRunner(cfg)
         self.executor = executor
         model_config = load_config(model_dir)
-        self.scheduler = Scheduler(executor.num_slots, executor.max_model_len, cfg.max_num_batched_tokens,
-                                   cfg.k, eos_ids(self.tokenizer, model_config), self.tokenizer, cfg.seed,
-                                   vocab_size=model_config.get("vocab_size"), tree_rows=cfg.k * cfg.draft_siblings)
+        self.scheduler = Scheduler(
+            executor.num_slots,
+            executor.max_model_len,
+            cfg.max_num_batched_tokens,
+            cfg.k,
+            eos_ids(self.tokenizer, model_config),
+            self.tokenizer,
+            cfg.seed,
+            vocab_size=model_config.get("vocab_size"),
+            tree_rows=cfg.k * cfg.draft_siblings,
+        )
         self.in_flight = deque()  # (plan, handle), oldest first
         self.overlap = cfg.overlap  # may be switched between runs (benchmarks)
-        self.device_s = 0.0         # GPU time of processed steps (0 on CPU)
+        self.device_s = 0.0  # GPU time of processed steps (0 on CPU)
         self.request_ids = itertools.count()
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Request:
         if not request_id:  # an id of our own that no caller's request holds
-            request_id = next(i for i in (f"req-{n}" for n in self.request_ids) if not self.scheduler.in_use(i))
+            request_id = next(
+                i for i in (f"req-{n}" for n in self.request_ids) if not self.scheduler.in_use(i)
+            )
         return self.scheduler.add(request_id, prompt_ids, params)
 
     def abort(self, request_id: str) -> None:
@@ -76,7 +97,9 @@ class LLMEngine:
             return self.scheduler.process(done_plan, result)
         return []
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Request]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[Request]:
         """Run prompts (token ids) to completion; returns the finished requests in input order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         requests = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]

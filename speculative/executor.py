@@ -1,6 +1,7 @@
 """The tensor-parallel group on Ray: `RayExecutor` places one TPWorker actor per rank in a
 STRICT_PACK placement group, joins them into a process group and sends each step plan to every
 rank over ZMQ (ipc on one node, tcp across nodes); rank 0 sends the results back."""
+
 import logging
 import os
 import pickle
@@ -27,20 +28,29 @@ class EngineDeadError(RuntimeError):
 @dataclass
 class ExecutorTimings:
     num_steps: int = 0
-    send_s: float = 0.0       # serialising and sending plans
-    wait_s: float = 0.0       # blocked waiting for results
-    execute_s: float = 0.0    # rank 0's time inside execute, summed
+    send_s: float = 0.0  # serialising and sending plans
+    wait_s: float = 0.0  # blocked waiting for results
+    execute_s: float = 0.0  # rank 0's time inside execute, summed
 
 
 class RayExecutor:
-    def __init__(self, cfg: EngineConfig, ready_timeout_s: float = 10.0, load_timeout_s: float = 600.0,
-                 collective_timeout_s: float = 60.0, result_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        ready_timeout_s: float = 10.0,
+        load_timeout_s: float = 600.0,
+        collective_timeout_s: float = 60.0,
+        result_timeout_s: float = 120.0,
+    ):
         from workers.worker import TPWorker
+
         self.cfg = cfg
         self.result_timeout_s = result_timeout_s
         self.timings = ExecutorTimings()
         self.trace: list[dict] | None = None  # set to a list to record every step's timeline
-        self.sent_at: dict[int, tuple[float, int, int]] = {}  # step id -> (sent at, prefills, decodes)
+        self.sent_at: dict[
+            int, tuple[float, int, int]
+        ] = {}  # step id -> (sent at, prefills, decodes)
         check_tp_size(cfg)
         use_gpu = wants_gpu(cfg)
         resource = "GPU" if use_gpu else "CPU"
@@ -52,10 +62,15 @@ class RayExecutor:
             self.pg = _reserve(cfg.tp, resource, ready_timeout_s)
         first = len(self.pg.bundle_specs) - cfg.tp
         self.workers = [
-            TPWorker.options(num_cpus=0 if use_gpu else 1, num_gpus=1 if use_gpu else 0,
-                             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                 self.pg, placement_group_bundle_index=first + i))
-            .remote(cfg, i, cfg.tp) for i in range(cfg.tp)]
+            TPWorker.options(
+                num_cpus=0 if use_gpu else 1,
+                num_gpus=1 if use_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=first + i
+                ),
+            ).remote(cfg, i, cfg.tp)
+            for i in range(cfg.tp)
+        ]
         try:
             self._connect(load_timeout_s, collective_timeout_s)
         except Exception:
@@ -78,9 +93,16 @@ class RayExecutor:
         else:
             port = self.results.bind_to_random_port(f"tcp://{here}")
             result_addr = f"tcp://{here}:{port}"
-            plan_addrs = [f"tcp://{ip}:{port}" for ip, port in addresses]  # each worker's own free port
-        infos = ray.get([w.setup.remote(master_addr, master_port, addr, result_addr, collective_timeout_s)
-                         for w, addr in zip(self.workers, plan_addrs)], timeout=load_timeout_s)
+            plan_addrs = [
+                f"tcp://{ip}:{port}" for ip, port in addresses
+            ]  # each worker's own free port
+        infos = ray.get(
+            [
+                w.setup.remote(master_addr, master_port, addr, result_addr, collective_timeout_s)
+                for w, addr in zip(self.workers, plan_addrs)
+            ],
+            timeout=load_timeout_s,
+        )
         self.num_slots = infos[0]["num_slots"]
         self.max_model_len = infos[0]["max_model_len"]
         self.plans = []
@@ -89,8 +111,14 @@ class RayExecutor:
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.connect(addr)
             self.plans.append(sock)
-        self.serving = [w.serve.remote() for w in self.workers]  # resolve only if a worker stops or dies
-        log.info("tensor-parallel group of %d ready (%s channels)", len(self.workers), "ipc" if one_node else "tcp")
+        self.serving = [
+            w.serve.remote() for w in self.workers
+        ]  # resolve only if a worker stops or dies
+        log.info(
+            "tensor-parallel group of %d ready (%s channels)",
+            len(self.workers),
+            "ipc" if one_node else "tcp",
+        )
 
     def execute(self, plan: StepPlan) -> "PendingStep":
         start = time.perf_counter()
@@ -105,6 +133,7 @@ class RayExecutor:
 
     def wait_result(self, step_id: int) -> StepResult:
         from workers.worker import StepFailed
+
         start, wall_start = time.perf_counter(), time.time()
         deadline = start + self.result_timeout_s
         while not self.results.poll(50):
@@ -117,19 +146,35 @@ class RayExecutor:
                     reason = f"a worker died: {type(e).__name__}: {str(e).splitlines()[0]}"
                 raise EngineDeadError(f"tensor-parallel group failed at step {step_id}: {reason}")
             if time.perf_counter() > deadline:
-                raise EngineDeadError(f"no result for step {step_id} within {self.result_timeout_s:.0f} s")
+                raise EngineDeadError(
+                    f"no result for step {step_id} within {self.result_timeout_s:.0f} s"
+                )
         result = pickle.loads(self.results.recv())
         self.timings.wait_s += time.perf_counter() - start
-        if isinstance(result, StepFailed):  # also how a dead peer shows first: rank 0's collective fails
+        if isinstance(
+            result, StepFailed
+        ):  # also how a dead peer shows first: rank 0's collective fails
             raise EngineDeadError(f"tensor-parallel group failed at step {step_id}: {result}")
-        assert result.step_id == step_id, f"result of step {result.step_id} while waiting for {step_id}"
+        assert result.step_id == step_id, (
+            f"result of step {result.step_id} while waiting for {step_id}"
+        )
         self.timings.execute_s += result.execute_s
         if self.trace is not None and step_id in self.sent_at:
             sent_at, num_prefills, num_decodes = self.sent_at.pop(step_id)
-            self.trace.append({"step_id": step_id, "num_prefills": num_prefills, "num_decodes": num_decodes,
-                               "sent_at": sent_at, "received_at": result.received_at,
-                               "launched_at": result.launched_at, "ready_at": result.ready_at,
-                               "waited_at": wall_start, "got_at": time.time(), "device_s": result.device_s})
+            self.trace.append(
+                {
+                    "step_id": step_id,
+                    "num_prefills": num_prefills,
+                    "num_decodes": num_decodes,
+                    "sent_at": sent_at,
+                    "received_at": result.received_at,
+                    "launched_at": result.launched_at,
+                    "ready_at": result.ready_at,
+                    "waited_at": wall_start,
+                    "got_at": time.time(),
+                    "device_s": result.device_s,
+                }
+            )
         return result
 
     def shutdown(self) -> None:
@@ -158,13 +203,16 @@ class PendingStep:
 def check_tp_size(cfg: EngineConfig) -> None:
     """Fail before placing anything if the model's heads do not split over the ranks."""
     from workers.loader import load_config, resolve_model
+
     model = load_config(resolve_model(cfg.model))
     heads = model["num_attention_heads"]
     kv_heads = model.get("num_key_value_heads", heads)
     if heads % cfg.tp or kv_heads % cfg.tp:
         sizes = [n for n in range(1, heads + 1) if heads % n == 0 and kv_heads % n == 0]
-        raise ValueError(f"tensor-parallel size {cfg.tp} does not divide {cfg.model}'s {heads} query and "
-                         f"{kv_heads} key/value heads; supported sizes: {sizes}")
+        raise ValueError(
+            f"tensor-parallel size {cfg.tp} does not divide {cfg.model}'s {heads} query and "
+            f"{kv_heads} key/value heads; supported sizes: {sizes}"
+        )
 
 
 def wants_gpu(cfg: EngineConfig) -> bool:
@@ -178,12 +226,16 @@ def _reserve(tp: int, resource: str, ready_timeout_s: float):
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     best = max((n["Resources"].get(resource, 0) for n in nodes), default=0)
     if best < tp:
-        raise RuntimeError(f"tensor-parallel size {tp} needs {tp} {resource}s on one node; the largest "
-                           f"node of this Ray cluster has {best:g} {resource}s")
+        raise RuntimeError(
+            f"tensor-parallel size {tp} needs {tp} {resource}s on one node; the largest "
+            f"node of this Ray cluster has {best:g} {resource}s"
+        )
     pg = placement_group([{resource: 1}] * tp, strategy="STRICT_PACK")
     ready, _ = ray.wait([pg.ready()], timeout=ready_timeout_s)
     if not ready:
         remove_placement_group(pg)
-        raise RuntimeError(f"could not reserve {tp} {resource}s on one node within {ready_timeout_s:.0f} s "
-                           f"(available now: {ray.available_resources().get(resource, 0):g} {resource}s)")
+        raise RuntimeError(
+            f"could not reserve {tp} {resource}s on one node within {ready_timeout_s:.0f} s "
+            f"(available now: {ray.available_resources().get(resource, 0):g} {resource}s)"
+        )
     return pg

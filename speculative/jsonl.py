@@ -1,4 +1,5 @@
 """Prompt files: JSON Lines, gzipped when the name ends in .gz."""
+
 import gzip
 import json
 from collections.abc import Iterator

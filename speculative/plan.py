@@ -1,6 +1,7 @@
 """The messages of one step: the plan the coordinator sends to every rank, and rank 0's result.
 Plain dataclasses of Python values so they travel over any channel (pickled only between our own
 processes)."""
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,10 +18,14 @@ class PrefillRow:
     min_p: float = 0.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    prior_output_tokens: int = 0  # the prompt's last tokens that count as output (a resumed request)
+    prior_output_tokens: int = (
+        0  # the prompt's last tokens that count as output (a resumed request)
+    )
     logit_bias: dict[int, float] = field(default_factory=dict)
     repetition_penalty: float = 1.0
-    stops_from: int = 0  # min_tokens: the first position at which EOS and stop tokens may be emitted
+    stops_from: int = (
+        0  # min_tokens: the first position at which EOS and stop tokens may be emitted
+    )
     stop_ids: list[int] = field(default_factory=list)  # ... those tokens (with min_tokens only)
 
 
@@ -28,24 +33,32 @@ class PrefillRow:
 class StepPlan:
     step_id: int
     prefills: list[PrefillRow] = field(default_factory=list)
-    decode_slots: list[int] = field(default_factory=list)   # "continue the request in slot s"
-    free_slots: list[int] = field(default_factory=list)     # released before this step runs
-    kv_len: int = 0                                         # cache rows any row may read
+    decode_slots: list[int] = field(default_factory=list)  # "continue the request in slot s"
+    free_slots: list[int] = field(default_factory=list)  # released before this step runs
+    kv_len: int = 0  # cache rows any row may read
     all_greedy: bool = True
     use_top_k_top_p: bool = False
     use_min_p: bool = False
-    num_logprobs: int | None = None  # some row wants log-probabilities, with this many top tokens at most
-    use_penalties: bool = False      # some row has a frequency, presence or repetition penalty
-    use_logit_bias: bool = False     # some row has a logit_bias
-    use_min_tokens: bool = False     # some row may still be short of its min_tokens
+    num_logprobs: int | None = (
+        None  # some row wants log-probabilities, with this many top tokens at most
+    )
+    use_penalties: bool = False  # some row has a frequency, presence or repetition penalty
+    use_logit_bias: bool = False  # some row has a logit_bias
+    use_min_tokens: bool = False  # some row may still be short of its min_tokens
     num_prompt_logprobs: int | None = None  # some prefill wants its prompt's log-probabilities
 
     @property
     def graphable(self) -> bool:
         """Greedy, without log-probabilities, penalties, biases or min_tokens: the CUDA graphs' form (the
         others replay only the target pass's graph and verify eagerly)."""
-        return self.all_greedy and self.num_logprobs is None and not self.use_penalties and not self.use_logit_bias \
-            and self.num_prompt_logprobs is None and not self.use_min_tokens
+        return (
+            self.all_greedy
+            and self.num_logprobs is None
+            and not self.use_penalties
+            and not self.use_logit_bias
+            and self.num_prompt_logprobs is None
+            and not self.use_min_tokens
+        )
 
     @property
     def slots(self) -> list[int]:
@@ -56,10 +69,10 @@ class StepPlan:
 @dataclass
 class StepResult:
     step_id: int
-    tokens: np.ndarray        # [rows, K+1] emitted tokens per row; only the first num_emitted count
-    num_emitted: np.ndarray   # [rows] 1 + accepted drafts (1 for prefill rows)
-    execute_s: float = 0.0    # worker host time inside execute, for control-plane measurements
-    device_s: float = 0.0     # GPU time from the step's first kernel to its results copy (CUDA events)
+    tokens: np.ndarray  # [rows, K+1] emitted tokens per row; only the first num_emitted count
+    num_emitted: np.ndarray  # [rows] 1 + accepted drafts (1 for prefill rows)
+    execute_s: float = 0.0  # worker host time inside execute, for control-plane measurements
+    device_s: float = 0.0  # GPU time from the step's first kernel to its results copy (CUDA events)
     # rank 0's wall clock (time.time()): plan received, kernels launched, results on the host
     received_at: float = 0.0
     launched_at: float = 0.0

@@ -7,6 +7,7 @@ drafts (at P=0.8 with the committed drafter, CPU: four tokens cost 0.07, five 0.
 alpaca and qa gain as much with five as with four (BENCHMARKS.md, "Prompt lookup in the draft
 chain"). Fixed shapes and device tensors only, so it runs inside the CUDA graphs; verification is
 unchanged, so the output is still exactly the target's."""
+
 import torch
 
 
@@ -15,10 +16,10 @@ def lookup(history: torch.Tensor, q: torch.Tensor, n: int = 5) -> tuple[torch.Te
     token is at q+1. -> (found [B]: the n tokens ending at q+1 also occur ending at some i <= q;
     token [B]: history[i+1] for the largest such i)."""
     L = history.shape[1]
-    q = q.clamp(max=L - 2).unsqueeze(1)                                  # [B, 1]
-    i = torch.arange(n - 1, L - 1, device=history.device)                # candidate ends, i+1 < L
+    q = q.clamp(max=L - 2).unsqueeze(1)  # [B, 1]
+    i = torch.arange(n - 1, L - 1, device=history.device)  # candidate ends, i+1 < L
     match = (i <= q) & (q + 2 - n >= 0)
     for j in range(n):  # token j of the n ending at q+1 against token j of the n ending at i
-        match &= history[:, j:L - n + j] == history.gather(1, (q + 2 - n + j).clamp(min=0))
-    last = torch.where(match, i, 0).amax(1, keepdim=True)                # [B, 1], 0: none
+        match &= history[:, j : L - n + j] == history.gather(1, (q + 2 - n + j).clamp(min=0))
+    last = torch.where(match, i, 0).amax(1, keepdim=True)  # [B, 1], 0: none
     return last[:, 0] > 0, history.gather(1, last + 1)[:, 0]

@@ -5,6 +5,7 @@ The scheduler is a plain state machine split into `plan()` (what the next step r
 needs the previous step's tokens, because each worker keeps every slot's pending token and drafts
 on the device. A request that ends at step i may already sit in step i+1 (the extra pass); its rows
 there are dropped, and its slot is released only after the last step that used it."""
+
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,18 +26,20 @@ class Request:
     seed: int
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None
-    finish_reason: str | None = None     # "stop", "length", "abort"
-    num_verify_steps: int = 0            # target forwards after prefill
-    num_verify_emitted: int = 0          # 1 + accepted drafts, summed over those forwards
-    in_flight: int = 0                   # planned steps whose results are not processed yet
-    last_step: int = -1                  # last step id that includes this request
-    text: str = ""                       # decoded output so far, a resumed one's earlier output first (stop
-                                         # strings are searched in it)
-    num_sent: int = 0                    # characters of text already returned as deltas
-    prefix_offset: int = 0               # text ids[prefix_offset:read_offset] (`_text_ids`) are the context for
-    read_offset: int = 0                 # decoding the ids from read_offset on (incremental detokenizing)
-    stops_after: int | None = 0          # a stop string counts if it ends past this many characters of text:
-                                         # a resumed request's earlier output, min_tokens' (None until then)
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    num_verify_steps: int = 0  # target forwards after prefill
+    num_verify_emitted: int = 0  # 1 + accepted drafts, summed over those forwards
+    in_flight: int = 0  # planned steps whose results are not processed yet
+    last_step: int = -1  # last step id that includes this request
+    text: str = ""  # decoded output so far, a resumed one's earlier output first (stop
+    # strings are searched in it)
+    num_sent: int = 0  # characters of text already returned as deltas
+    prefix_offset: int = 0  # text ids[prefix_offset:read_offset] (`_text_ids`) are the context for
+    read_offset: int = 0  # decoding the ids from read_offset on (incremental detokenizing)
+    stops_after: int | None = (
+        0  # a stop string counts if it ends past this many characters of text:
+    )
+    # a resumed request's earlier output, min_tokens' (None until then)
 
     @property
     def is_finished(self) -> bool:
@@ -53,16 +56,18 @@ class RequestOutput:
     new_token_ids: list[int]
     text_delta: str
     finish_reason: str | None
-    acceptance_length: float = 1.0   # the request's mean so far
+    acceptance_length: float = 1.0  # the request's mean so far
     # with params.logprobs, per new token: (its log-probability, [(id, log-probability)] of the top ones)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # the prompt's tokens 1.., once
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = (
+        None  # the prompt's tokens 1.., once
+    )
 
 
 @dataclass
 class StepStats:
     num_rows: int = 0
-    num_extra_rows: int = 0              # rows of requests that had already ended (extra pass)
+    num_extra_rows: int = 0  # rows of requests that had already ended (extra pass)
     num_verify_rows: int = 0
     num_draft_proposed: int = 0
     num_draft_accepted: int = 0
@@ -75,24 +80,42 @@ def _logprobs(arrays: tuple | None, row: int, columns, n: int | None) -> list | 
     if n is None:
         return None
     chosen, top_ids, top_logprobs = arrays
-    return [(float(chosen[row, j]), list(zip(top_ids[row, j, :n].tolist(), top_logprobs[row, j, :n].tolist())))
-            for j in columns]
+    return [
+        (
+            float(chosen[row, j]),
+            list(zip(top_ids[row, j, :n].tolist(), top_logprobs[row, j, :n].tolist())),
+        )
+        for j in columns
+    ]
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, max_model_len: int, max_num_batched_tokens: int, k: int,
-                 eos_token_ids: set[int], tokenizer=None, seed: int = 0, vocab_size: int | None = None,
-                 tree_rows: int = 0):
+    def __init__(
+        self,
+        num_slots: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        k: int,
+        eos_token_ids: set[int],
+        tokenizer=None,
+        seed: int = 0,
+        vocab_size: int | None = None,
+        tree_rows: int = 0,
+    ):
         self.num_slots, self.max_model_len, self.k = num_slots, max_model_len, k
-        self.tree_rows = tree_rows  # KV rows a verify pass writes past the chain (the draft tree's siblings)
-        self.vocab_size = vocab_size  # prompt ids are checked against it (a bad id would fail the whole step)
+        self.tree_rows = (
+            tree_rows  # KV rows a verify pass writes past the chain (the draft tree's siblings)
+        )
+        self.vocab_size = (
+            vocab_size  # prompt ids are checked against it (a bad id would fail the whole step)
+        )
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
         self.free_slots = list(range(num_slots))
-        self.slots_to_release: list[int] = []   # free on the host, to be freed on the workers
+        self.slots_to_release: list[int] = []  # free on the host, to be freed on the workers
         self.step_ids = itertools.count()
         self.seeds = itertools.count(seed * 1_000_003 + 1)
         self.stats = StepStats(accepted_at=[0] * k)
@@ -105,29 +128,47 @@ class Scheduler:
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                               f"the maximum sequence length of {self.max_model_len} tokens")
-        for what, ids in (("prompt", prompt_ids), ("logit_bias", params.logit_bias),
-                          ("stop_token_ids", params.stop_token_ids)) if self.vocab_size else ():
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"the maximum sequence length of {self.max_model_len} tokens"
+            )
+        for what, ids in (
+            (
+                ("prompt", prompt_ids),
+                ("logit_bias", params.logit_bias),
+                ("stop_token_ids", params.stop_token_ids),
+            )
+            if self.vocab_size
+            else ()
+        ):
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
-                raise RequestError(f"{what} token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
-        if params.min_tokens and len(self.eos_token_ids | set(params.stop_token_ids)) > MAX_STOP_IDS:
+                raise RequestError(
+                    f"{what} token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})"
+                )
+        if (
+            params.min_tokens
+            and len(self.eos_token_ids | set(params.stop_token_ids)) > MAX_STOP_IDS
+        ):
             raise RequestError(f"min_tokens holds back at most {MAX_STOP_IDS} EOS and stop tokens")
         if params.prior_output_tokens > len(prompt_ids):
             raise RequestError("prior_output_tokens exceeds the prompt")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer and this model directory has none")
         if len(prompt_ids) > self.max_num_batched_tokens:
-            raise RequestError(f"prompt ({len(prompt_ids)} tokens) exceeds max_num_batched_tokens "
-                               f"({self.max_num_batched_tokens})")
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) exceeds max_num_batched_tokens "
+                f"({self.max_num_batched_tokens})"
+            )
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
         self.validate(request_id, prompt_ids, params)
         if self.in_use(request_id):
             raise RequestError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else next(self.seeds)
-        request = Request(request_id, list(prompt_ids), params, seed, stops_after=None if params.min_tokens else 0)
+        request = Request(
+            request_id, list(prompt_ids), params, seed, stops_after=None if params.min_tokens else 0
+        )
         if params.prior_output_tokens and self.tokenizer is not None:
             # a resumed request's text goes on from its earlier output's: a stop string may span the
             # two, and what the failed engine held back (a possible stop string's start) is sent from here
@@ -173,10 +214,15 @@ class Scheduler:
 
     def plan(self) -> StepPlan | None:
         step_id = next(self.step_ids)
-        decodes = [r for r in self.running.values()
-                   if not r.is_finished and r.slot is not None and not self._will_surely_finish(r)]
+        decodes = [
+            r
+            for r in self.running.values()
+            if not r.is_finished and r.slot is not None and not self._will_surely_finish(r)
+        ]
         prefills = []
-        longest = 0  # prefills run padded to the longest prompt: rows x longest is what the step holds
+        longest = (
+            0  # prefills run padded to the longest prompt: rows x longest is what the step holds
+        )
         while self.waiting and self.free_slots and len(prefills) + len(decodes) < self.num_slots:
             longest_next = max(longest, len(self.waiting[0].prompt_ids))
             if (len(prefills) + 1) * longest_next > self.max_num_batched_tokens:
@@ -192,28 +238,61 @@ class Scheduler:
         for r in rows:
             r.in_flight += 1
             r.last_step = step_id
-        span = max(len(r.prompt_ids) + len(r.output_ids) + r.in_flight * (self.k + 1) + self.k + 1 + self.tree_rows
-                   for r in rows)
+        span = max(
+            len(r.prompt_ids)
+            + len(r.output_ids)
+            + r.in_flight * (self.k + 1)
+            + self.k
+            + 1
+            + self.tree_rows
+            for r in rows
+        )
         plan = StepPlan(
             step_id=step_id,
-            prefills=[PrefillRow(r.slot, r.prompt_ids, r.seed, r.params.temperature, r.params.top_p, r.params.top_k,
-                                 r.params.min_p, r.params.frequency_penalty, r.params.presence_penalty,
-                                 r.params.prior_output_tokens, r.params.logit_bias, r.params.repetition_penalty,
-                                 *self._min_tokens_stops(r))
-                      for r in prefills],
+            prefills=[
+                PrefillRow(
+                    r.slot,
+                    r.prompt_ids,
+                    r.seed,
+                    r.params.temperature,
+                    r.params.top_p,
+                    r.params.top_k,
+                    r.params.min_p,
+                    r.params.frequency_penalty,
+                    r.params.presence_penalty,
+                    r.params.prior_output_tokens,
+                    r.params.logit_bias,
+                    r.params.repetition_penalty,
+                    *self._min_tokens_stops(r),
+                )
+                for r in prefills
+            ],
             decode_slots=[r.slot for r in decodes],
             free_slots=self.slots_to_release,
             kv_len=-(-span // 64) * 64,
             all_greedy=all(r.params.is_greedy for r in rows),
             use_top_k_top_p=any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows),
             use_min_p=any(r.params.min_p > 0 for r in rows),
-            num_logprobs=max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None),
-            use_penalties=any(r.params.frequency_penalty or r.params.presence_penalty or r.params.repetition_penalty != 1
-                              for r in rows),
+            num_logprobs=max(
+                (r.params.logprobs for r in rows if r.params.logprobs is not None), default=None
+            ),
+            use_penalties=any(
+                r.params.frequency_penalty
+                or r.params.presence_penalty
+                or r.params.repetition_penalty != 1
+                for r in rows
+            ),
             use_logit_bias=any(r.params.logit_bias for r in rows),
             use_min_tokens=any(r.params.min_tokens > len(r.output_ids) for r in rows),
-            num_prompt_logprobs=max((r.params.prompt_logprobs for r in prefills if r.params.prompt_logprobs is not None),
-                                    default=None))
+            num_prompt_logprobs=max(
+                (
+                    r.params.prompt_logprobs
+                    for r in prefills
+                    if r.params.prompt_logprobs is not None
+                ),
+                default=None,
+            ),
+        )
         self.slots_to_release = []
         self.rows_of_step[step_id] = [r.request_id for r in rows]
         return plan
@@ -224,12 +303,16 @@ class Scheduler:
         if not r.params.min_tokens:
             return 0, []
         # EOS too with ignore_eos, as vLLM's
-        return len(r.prompt_ids) + r.params.min_tokens, sorted(self.eos_token_ids | set(r.params.stop_token_ids))
+        return len(r.prompt_ids) + r.params.min_tokens, sorted(
+            self.eos_token_ids | set(r.params.stop_token_ids)
+        )
 
     # ---- results ----
 
     def process(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        assert result.step_id == plan.step_id == min(self.rows_of_step), "results must come in plan order"
+        assert result.step_id == plan.step_id == min(self.rows_of_step), (
+            "results must come in plan order"
+        )
         outputs = []
         num_prefills = len(plan.prefills)
         for row, request_id in enumerate(self.rows_of_step.pop(plan.step_id)):
@@ -242,13 +325,23 @@ class Scheduler:
                 emitted = int(result.num_emitted[row])
                 if row >= num_prefills:
                     self._count_acceptance(r, emitted)
-                logprobs = _logprobs((result.logprobs, result.top_ids, result.top_logprobs), row, range(emitted),
-                                     r.params.logprobs)
+                logprobs = _logprobs(
+                    (result.logprobs, result.top_ids, result.top_logprobs),
+                    row,
+                    range(emitted),
+                    r.params.logprobs,
+                )
                 outputs.append(self._append(r, result.tokens[row, :emitted].tolist(), logprobs))
                 if row < num_prefills:
-                    outputs[-1].prompt_logprobs = _logprobs(result.prompt_logprobs, row, range(1, len(r.prompt_ids)),
-                                                            r.params.prompt_logprobs)
-            if r.is_finished and r.in_flight == 0 and r.slot is not None:  # _finish may have released it
+                    outputs[-1].prompt_logprobs = _logprobs(
+                        result.prompt_logprobs,
+                        row,
+                        range(1, len(r.prompt_ids)),
+                        r.params.prompt_logprobs,
+                    )
+            if (
+                r.is_finished and r.in_flight == 0 and r.slot is not None
+            ):  # _finish may have released it
                 self._release(r)
         return outputs
 
@@ -266,7 +359,11 @@ class Scheduler:
         for token in tokens:
             if len(r.output_ids) >= r.params.max_tokens:
                 break
-            if token in self.eos_token_ids and not r.params.ignore_eos or token in r.params.stop_token_ids:
+            if (
+                token in self.eos_token_ids
+                and not r.params.ignore_eos
+                or token in r.params.stop_token_ids
+            ):
                 self._finish(r, "stop")
                 break
             r.output_ids.append(token)
@@ -281,14 +378,20 @@ class Scheduler:
             self._finish(r, "length")
         # a finished request may still hold back text that could have begun a stop string
         delta = self._detokenize(r) if self.tokenizer is not None and (new or r.is_finished) else ""
-        return RequestOutput(r.request_id, new, delta, r.finish_reason, r.acceptance_length,
-                             logprobs[:len(new)] if logprobs is not None else None)
+        return RequestOutput(
+            r.request_id,
+            new,
+            delta,
+            r.finish_reason,
+            r.acceptance_length,
+            logprobs[: len(new)] if logprobs is not None else None,
+        )
 
     @staticmethod
     def _text_ids(r: Request) -> list[int]:
         """The tokens of the request's text: its output, after the earlier output of a resumed request."""
         prior = r.params.prior_output_tokens
-        return r.prompt_ids[len(r.prompt_ids) - prior:] + r.output_ids if prior else r.output_ids
+        return r.prompt_ids[len(r.prompt_ids) - prior :] + r.output_ids if prior else r.output_ids
 
     def _decode(self, r: Request) -> str:
         return self.tokenizer.decode(self._text_ids(r), skip_special_tokens=True)
@@ -300,19 +403,29 @@ class Scheduler:
         their text)."""
         if r.stops_after is None:
             return None
-        hits = [at for at in (text.find(stop, max(0, r.stops_after - len(stop) + 1)) for stop in r.params.stop) if at >= 0]
+        hits = [
+            at
+            for at in (
+                text.find(stop, max(0, r.stops_after - len(stop) + 1)) for stop in r.params.stop
+            )
+            if at >= 0
+        ]
         return min(hits) if hits else None
 
     def _detokenize(self, r: Request) -> str:
         """The text the new tokens add, decoding only a few tokens of context before them (a whole
         re-decode each step costs ~27 us per 128 tokens, per request, on the coordinator's thread)."""
         tokens = self._text_ids(r)
-        context = self.tokenizer.decode(tokens[r.prefix_offset:r.read_offset], skip_special_tokens=True)
-        window = self.tokenizer.decode(tokens[r.prefix_offset:], skip_special_tokens=True)
-        if window.endswith("\ufffd") and not r.is_finished:  # a multi-byte character not complete yet
+        context = self.tokenizer.decode(
+            tokens[r.prefix_offset : r.read_offset], skip_special_tokens=True
+        )
+        window = self.tokenizer.decode(tokens[r.prefix_offset :], skip_special_tokens=True)
+        if (
+            window.endswith("\ufffd") and not r.is_finished
+        ):  # a multi-byte character not complete yet
             return ""
         if window.startswith(context):
-            text = r.text + window[len(context):]
+            text = r.text + window[len(context) :]
         else:  # the context decodes differently with what follows it: decode the whole output
             text = self._decode(r)
         r.prefix_offset, r.read_offset = r.read_offset, len(tokens)
@@ -322,14 +435,17 @@ class Scheduler:
         r.text = text
         # what may be the start of a stop string is held back until later tokens complete or refute it
         end = len(text) if r.is_finished else len(text) - self._partial_stop(r, text)
-        delta = text[r.num_sent:end]
+        delta = text[r.num_sent : end]
         r.num_sent = max(r.num_sent, end)
         return delta
 
     @staticmethod
     def _partial_stop(r: Request, text: str) -> int:
         """The length of the longest end of `text` that is the beginning of a stop string."""
-        return max((k for stop in r.params.stop for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+        return max(
+            (k for stop in r.params.stop for k in range(1, len(stop)) if text.endswith(stop[:k])),
+            default=0,
+        )
 
     def _finish(self, r: Request, reason: str) -> None:
         r.finish_reason = reason

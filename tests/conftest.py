@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random-weight Llama targets written as Hugging Face directories, random
 EAGLE-3 drafters for them, prompts from ../shared/data, and session-scoped engines on the real
 SmolLM2-135M (loaded once for the whole run)."""
+
 import json
 import os
 from pathlib import Path
@@ -20,10 +21,22 @@ if not DATA.is_dir():
 
 # ---- tiny random models ----
 
-def write_tiny_llama(path: Path, *, vocab_size: int = 64, hidden_size: int = 64, intermediate_size: int = 128,
-                     num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2, tie: bool = False,
-                     eos_token_id: int | None = None, seed: int = 0, std: float = 0.2,
-                     max_position_embeddings: int = 1024) -> Path:
+
+def write_tiny_llama(
+    path: Path,
+    *,
+    vocab_size: int = 64,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    tie: bool = False,
+    eos_token_id: int | None = None,
+    seed: int = 0,
+    std: float = 0.2,
+    max_position_embeddings: int = 1024,
+) -> Path:
     """A random Llama in the Hugging Face layout (config.json + model.safetensors, HF tensor names).
     Weights depend only on the seed and shapes, so two directories differing in eos are the same model."""
     path = Path(path)
@@ -35,7 +48,7 @@ def write_tiny_llama(path: Path, *, vocab_size: int = 64, hidden_size: int = 64,
         return torch.randn(*shape, generator=g) * scale
 
     # projections scaled by fan-in so the residual stream stays O(1) and tokens stay well separated
-    proj = std * 8 / H ** 0.5
+    proj = std * 8 / H**0.5
     tensors = {"model.embed_tokens.weight": w(vocab_size, H, scale=1.0)}
     for n in range(num_layers):
         p = f"model.layers.{n}."
@@ -51,33 +64,58 @@ def write_tiny_llama(path: Path, *, vocab_size: int = 64, hidden_size: int = 64,
             p + "post_attention_layernorm.weight": 1.0 + w(H, scale=0.1),
         }
     tensors["model.norm.weight"] = 1.0 + w(H, scale=0.1)
-    lm_head = w(vocab_size, H, scale=3.0 / H ** 0.5)
+    lm_head = w(vocab_size, H, scale=3.0 / H**0.5)
     if not tie:
         tensors["lm_head.weight"] = lm_head
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
-        "hidden_size": H, "intermediate_size": I, "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads, "rope_theta": 10000.0,
-        "rms_norm_eps": 1e-5, "max_position_embeddings": max_position_embeddings,
-        "tie_word_embeddings": tie, "eos_token_id": eos_token_id, "bos_token_id": None,
-        "hidden_act": "silu", "torch_dtype": "float32",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": H,
+        "intermediate_size": I,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": max_position_embeddings,
+        "tie_word_embeddings": tie,
+        "eos_token_id": eos_token_id,
+        "bos_token_id": None,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
 
 
-def write_random_drafter(path: Path, target_dir: Path, *, seed: int = 1, std: float = 0.2,
-                         draft_vocab_size: int | None = None) -> Path:
+def write_random_drafter(
+    path: Path,
+    target_dir: Path,
+    *,
+    seed: int = 1,
+    std: float = 0.2,
+    draft_vocab_size: int | None = None,
+) -> Path:
     """A random EAGLE-3 drafter for a target directory, in the standard layout, with weights large
     enough that its greedy drafts are not near-ties (stable argmax across batch shapes)."""
     from speculative.drafter import drafter_config_for, random_drafter_state, save_drafter
     from workers.llama import LlamaConfig
-    cfg = drafter_config_for(LlamaConfig.from_hf(json.loads((Path(target_dir) / "config.json").read_text())),
-                             draft_vocab_size)
+
+    cfg = drafter_config_for(
+        LlamaConfig.from_hf(json.loads((Path(target_dir) / "config.json").read_text())),
+        draft_vocab_size,
+    )
     state = random_drafter_state(cfg, seed=seed)
-    state = {n: (t * (std / 0.02) if n.endswith("proj.weight") or n in ("fc.weight", "lm_head.weight") else t)
-             for n, t in state.items()}
+    state = {
+        n: (
+            t * (std / 0.02)
+            if n.endswith("proj.weight") or n in ("fc.weight", "lm_head.weight")
+            else t
+        )
+        for n, t in state.items()
+    }
     save_drafter(path, cfg, state)
     return Path(path)
 
@@ -96,8 +134,17 @@ def tiny_drafter_dir(tmp_path_factory, tiny_dir) -> Path:
 def tiny_engine(model_dir, drafter="none", k: int = 3, **overrides):
     from speculative.config import EngineConfig
     from speculative.engine import LLMEngine
-    cfg = dict(model=str(model_dir), drafter=str(drafter), num_draft_tokens=k, max_batch_size=8,
-               max_model_len=256, max_num_batched_tokens=1024, device="cpu", dtype="float32")
+
+    cfg = dict(
+        model=str(model_dir),
+        drafter=str(drafter),
+        num_draft_tokens=k,
+        max_batch_size=8,
+        max_model_len=256,
+        max_num_batched_tokens=1024,
+        device="cpu",
+        dtype="float32",
+    )
     return LLMEngine(EngineConfig(**(cfg | overrides)))
 
 
@@ -117,13 +164,16 @@ def run_to_completion(engine, prompts, params, join_schedule=None):
     return [requests[i] for i in range(len(prompts))]
 
 
-def tiny_prompts(n: int, vocab: int = 64, seed: int = 0, min_len: int = 3, max_len: int = 40) -> list[list[int]]:
+def tiny_prompts(
+    n: int, vocab: int = 64, seed: int = 0, min_len: int = 3, max_len: int = 40
+) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
     return [torch.randint(0, vocab, (L,), generator=g).tolist() for L in lens]
 
 
 # ---- the real SmolLM2 ----
+
 
 def bench_questions(n: int) -> list[str]:
     """n prompts mixing the EAGLE benchmark sets (gsm8k, alpaca, qa: turns[0]) and GSM8K test."""
@@ -133,27 +183,39 @@ def bench_questions(n: int) -> list[str]:
     for src in sources:
         rows = [json.loads(line) for line in src.read_text().splitlines()[:per]]
         out += [r["turns"][0] for r in rows]
-    out += [json.loads(line)["question"] for line in (DATA / "gsm8k" / "test.jsonl").read_text().splitlines()[:per]]
+    out += [
+        json.loads(line)["question"]
+        for line in (DATA / "gsm8k" / "test.jsonl").read_text().splitlines()[:per]
+    ]
     return out[:n]
 
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     from workers.loader import resolve_model
+
     return resolve_model("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
 def smollm2_prompts(smollm2_engine) -> list[list[int]]:
     from speculative.engine import encode_prompt
+
     return [encode_prompt(smollm2_engine.tokenizer, q) for q in bench_questions(20)]
 
 
 def _smollm2(drafter: str, **overrides):
     from speculative.config import EngineConfig
     from speculative.engine import LLMEngine
-    cfg = dict(drafter=drafter, max_batch_size=20, max_model_len=512, max_num_batched_tokens=2048,
-               device="cpu", dtype="float32")
+
+    cfg = dict(
+        drafter=drafter,
+        max_batch_size=20,
+        max_model_len=512,
+        max_num_batched_tokens=2048,
+        device="cpu",
+        dtype="float32",
+    )
     return LLMEngine(EngineConfig(**(cfg | overrides)))
 
 
@@ -167,6 +229,7 @@ def smollm2_engine():
 def smollm2_greedy_64(smollm2_engine, smollm2_prompts):
     """Plain greedy output ids, 64 new tokens, all 20 prompts run as one batch."""
     from speculative.config import SamplingParams
+
     requests = smollm2_engine.generate(smollm2_prompts, SamplingParams(max_tokens=64))
     return [r.output_ids for r in requests]
 
@@ -175,9 +238,13 @@ def smollm2_greedy_64(smollm2_engine, smollm2_prompts):
 def hf_smollm2():
     """Hugging Face's own Llama on the same GGUF file (its own dequantization and q/k un-permute)."""
     from transformers import AutoModelForCausalLM
+
     from workers.loader import smollm2_gguf_path
+
     gguf = smollm2_gguf_path()
-    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(scope="session")
@@ -185,16 +252,22 @@ def smollm2_near_tie(hf_smollm2):
     """check(prompt, ours, reference): equal token for token, or the first difference is a proven
     near-tie: the top-two fp32 logits of HF on the common prefix differ by < 1e-4, and the two
     sequences took those two tokens (a sequence that ended there ended by EOS, a top-two token)."""
+
     def check(prompt: list[int], ours: list[int], reference: list[int], tol: float = 1e-4) -> None:
         if ours == reference:
             return
-        n = next((i for i, (a, b) in enumerate(zip(ours, reference)) if a != b), min(len(ours), len(reference)))
+        n = next(
+            (i for i, (a, b) in enumerate(zip(ours, reference)) if a != b),
+            min(len(ours), len(reference)),
+        )
         with torch.no_grad():
             logits = hf_smollm2(torch.tensor([prompt + ours[:n]])).logits[0, -1].float()
         top = logits.topk(2)
         gap = (top.values[0] - top.values[1]).item()
         taken = {seq[n] for seq in (ours, reference) if n < len(seq)}
         assert gap < tol and taken <= set(top.indices.tolist()), (
-            f"outputs differ at new token {n}: ours {ours[n:n + 3]}, reference {reference[n:n + 3]}; "
-            f"top-two logits {top.indices.tolist()} differ by {gap:.2e} (not a near-tie)")
+            f"outputs differ at new token {n}: ours {ours[n : n + 3]}, reference {reference[n : n + 3]}; "
+            f"top-two logits {top.indices.tolist()} differ by {gap:.2e} (not a near-tie)"
+        )
+
     return check

@@ -1,4 +1,5 @@
 """The eagleserve Serve app on a free loopback port, for the Serve test modules (one per module)."""
+
 import ray
 from ray import serve
 

@@ -1,4 +1,5 @@
 """`eagleserve generate` end to end, in a subprocess, on the real SmolLM2."""
+
 import json
 import os
 import subprocess
@@ -6,15 +7,19 @@ import sys
 import time
 
 import pytest
-
 from conftest import DATA, bench_questions
 
 ENV = os.environ | {"OMP_NUM_THREADS": os.environ.get("EAGLESERVE_TEST_THREADS", "1")}
 
 
 def eagleserve(*args, timeout=600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deployments.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=ENV)
+    return subprocess.run(
+        [sys.executable, "-m", "deployments.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=ENV,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +34,15 @@ def prompts_file(tmp_path_factory):
 def outputs(prompts_file):
     """Default drafter (speculative), the same with a draft tree, and --drafter none, same prompts, greedy."""
     out = {}
-    for name, flags in (("default", []), ("tree", ["--draft-siblings", 2]), ("none", ["--drafter", "none"])):
+    for name, flags in (
+        ("default", []),
+        ("tree", ["--draft-siblings", 2]),
+        ("none", ["--drafter", "none"]),
+    ):
         path = prompts_file.with_name(f"out-{name}.jsonl")
-        proc = eagleserve("generate", prompts_file, "-o", path, "--max-tokens", 12, "--max-model-len", 512, *flags)
+        proc = eagleserve(
+            "generate", prompts_file, "-o", path, "--max-tokens", 12, "--max-model-len", 512, *flags
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "wrote 4 rows" in proc.stderr
         out[name] = [json.loads(line) for line in path.read_text().splitlines()]
@@ -54,17 +65,44 @@ def test_drafter_none_is_plain_and_identical(outputs):
         assert [r["text"] for r in outputs["none"]] == [r["text"] for r in outputs[name]]
 
 
-@pytest.mark.parametrize("case, content, args, message", [
-    ("missing", None, [], r"input file .*missing\.jsonl does not exist"),
-    ("malformed", '{"prompt": "hi"}\n{"prompt": "oops"\n', [], r"malformed\.jsonl:2: not valid JSON"),
-    ("no-prompt", '{"id": 1, "text": "hi"}\n', [], r"no-prompt\.jsonl:1: each row needs a string field 'prompt'"),
-    ("temperature", '{"prompt": "hi"}\n', ["--temperature", 5], r"temperature: .*less than or equal to 2"),
-    ("top-p", '{"prompt": "hi"}\n', ["--top-p", 0], r"top_p: .*greater than 0"),
-    ("empty", "\n", [], r"empty\.jsonl: no prompts"),
-    ("max-model-len", '{"prompt": "hi"}\n', ["--max-model-len", 5000],
-     r"invalid setting: engine config: .*max_num_batched_tokens"),
-    ("tp-drafter", '{"prompt": "hi"}\n', ["--tp", 3, "--drafter", "/nonexistent"], r"drafter '/nonexistent'"),
-])
+@pytest.mark.parametrize(
+    "case, content, args, message",
+    [
+        ("missing", None, [], r"input file .*missing\.jsonl does not exist"),
+        (
+            "malformed",
+            '{"prompt": "hi"}\n{"prompt": "oops"\n',
+            [],
+            r"malformed\.jsonl:2: not valid JSON",
+        ),
+        (
+            "no-prompt",
+            '{"id": 1, "text": "hi"}\n',
+            [],
+            r"no-prompt\.jsonl:1: each row needs a string field 'prompt'",
+        ),
+        (
+            "temperature",
+            '{"prompt": "hi"}\n',
+            ["--temperature", 5],
+            r"temperature: .*less than or equal to 2",
+        ),
+        ("top-p", '{"prompt": "hi"}\n', ["--top-p", 0], r"top_p: .*greater than 0"),
+        ("empty", "\n", [], r"empty\.jsonl: no prompts"),
+        (
+            "max-model-len",
+            '{"prompt": "hi"}\n',
+            ["--max-model-len", 5000],
+            r"invalid setting: engine config: .*max_num_batched_tokens",
+        ),
+        (
+            "tp-drafter",
+            '{"prompt": "hi"}\n',
+            ["--tp", 3, "--drafter", "/nonexistent"],
+            r"drafter '/nonexistent'",
+        ),
+    ],
+)
 def test_bad_input_exits_with_a_message(tmp_path, case, content, args, message):
     path = tmp_path / f"{case}.jsonl"
     if content is not None:
@@ -73,6 +111,7 @@ def test_bad_input_exits_with_a_message(tmp_path, case, content, args, message):
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     import re
+
     assert re.search(message, proc.stderr), proc.stderr[-1000:]
     assert not (tmp_path / "out.jsonl").exists()
 
@@ -81,42 +120,89 @@ def test_bench_writes_table_and_json(tmp_path):
     """`eagleserve bench` on CPU through the Ray path: one row per (mode, siblings, overlap, batch),
     tokens from both engines, speculative rows that accept drafts, a plot; no NVML figure without a GPU."""
     out = tmp_path / "bench.json"
-    proc = eagleserve("bench", "--device", "cpu", "--dataset", DATA / "gsm8k" / "test.jsonl", "--batch", "1,2",
-                      "-k", 2, "--overlap", "both", "--num-prompts", 2, "--output-len", 8, "--max-model-len", 512,
-                      "--logprobs", 1, "--temperature", 0.5, "--draft-siblings", "0,1", "-o", out)
+    proc = eagleserve(
+        "bench",
+        "--device",
+        "cpu",
+        "--dataset",
+        DATA / "gsm8k" / "test.jsonl",
+        "--batch",
+        "1,2",
+        "-k",
+        2,
+        "--overlap",
+        "both",
+        "--num-prompts",
+        2,
+        "--output-len",
+        8,
+        "--max-model-len",
+        512,
+        "--logprobs",
+        1,
+        "--temperature",
+        0.5,
+        "--draft-siblings",
+        "0,1",
+        "-o",
+        out,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     runs = json.loads(out.read_text())["runs"]
     assert sorted((r["mode"], r["siblings"], r["overlap"], r["batch"]) for r in runs) == [
-        ("eagle", 0, False, 1), ("eagle", 0, False, 2), ("eagle", 0, True, 1), ("eagle", 0, True, 2),
-        ("eagle", 1, False, 1), ("eagle", 1, False, 2), ("eagle", 1, True, 1), ("eagle", 1, True, 2),
-        ("plain", 0, True, 1), ("plain", 0, True, 2)]
+        ("eagle", 0, False, 1),
+        ("eagle", 0, False, 2),
+        ("eagle", 0, True, 1),
+        ("eagle", 0, True, 2),
+        ("eagle", 1, False, 1),
+        ("eagle", 1, False, 2),
+        ("eagle", 1, True, 1),
+        ("eagle", 1, True, 2),
+        ("plain", 0, True, 1),
+        ("plain", 0, True, 2),
+    ]
     for r in runs:
-        assert r["output_tokens"] > 0 and r["output_tokens_per_s"] > 0 and r["nvml_busy_fraction"] is None
+        assert (
+            r["output_tokens"] > 0
+            and r["output_tokens_per_s"] > 0
+            and r["nvml_busy_fraction"] is None
+        )
         assert r["logprobs"] == 1 and r["temperature"] == 0.5
         assert (r["mean_acceptance_length"] > 1) == (r["mode"] == "eagle")
     assert "tok/s" in proc.stdout and out.with_suffix(".png").is_file()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--modes", "spec"], "--modes holds plain and/or eagle"),
-    (["-k", "0"], "-k and --batch values must be >= 1"),
-    (["--batch", "0,2"], "-k and --batch values must be >= 1"),
-    (["--batch", "two"], "-k, --batch and --draft-siblings take integers"),
-    (["--draft-siblings", "-1"], "--draft-siblings >= 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--modes", "spec"], "--modes holds plain and/or eagle"),
+        (["-k", "0"], "-k and --batch values must be >= 1"),
+        (["--batch", "0,2"], "-k and --batch values must be >= 1"),
+        (["--batch", "two"], "-k, --batch and --draft-siblings take integers"),
+        (["--draft-siblings", "-1"], "--draft-siblings >= 0"),
+    ],
+)
 def test_bench_refuses_bad_arguments(args, message):
     proc = eagleserve("bench", "--device", "cpu", *args, timeout=120)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr and message in proc.stderr, proc.stderr[-1000:]
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr and message in proc.stderr, (
+        proc.stderr[-1000:]
+    )
 
 
 def test_gpu_utilization_is_the_busiest_gpus_mean(monkeypatch):
     """The NVML poller averages each GPU's utilization over the polls and reports the busiest GPU."""
     import types
+
     from deployments.bench import GpuUtilization
+
     busy = {0: iter([10, 30] * 1000), 1: iter([50, 70] * 1000)}
-    fake = types.SimpleNamespace(nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 2,
-                                 nvmlDeviceGetHandleByIndex=lambda i: i,
-                                 nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=next(busy[h])))
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=next(busy[h])),
+    )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     with GpuUtilization(interval_s=0.001) as utilization:
         while len(utilization.samples) < 10:

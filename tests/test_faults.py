@@ -2,6 +2,7 @@
 collective, both replicas lost at once, overload. No request is lost silently: each stream completes
 (resumed on a surviving replica, greedy text identical to an undisturbed run) or ends with an
 explicit error; the deployment recovers and the recovery time is measured."""
+
 import concurrent.futures
 import json
 import os
@@ -12,10 +13,10 @@ import time
 import httpx
 import pytest
 from ray import serve
-
-from deployments.config import ServeConfig
 from serve_app import start_app, stop_app
 from tiny_models import tiny_llama
+
+from deployments.config import ServeConfig
 
 PROMPTS = ["The sea", "A story about", "Numbers:", "Once upon a time", "In the city", "Rain falls"]
 MAX_TOKENS = 160
@@ -25,9 +26,20 @@ RECOVERY = {}  # fault -> seconds until two healthy replicas serve again (printe
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     model = str(tiny_llama(tmp_path_factory.mktemp("faults") / "tiny"))
-    cfg = ServeConfig(engine={"model": model, "drafter": "none", "tp": 2, "max_batch_size": 8, "max_model_len": 256,
-                              "device": "cpu"}, served_model_name="tiny", num_replicas=2, max_waiting_requests=8,
-                      hung_step_s=3)
+    cfg = ServeConfig(
+        engine={
+            "model": model,
+            "drafter": "none",
+            "tp": 2,
+            "max_batch_size": 8,
+            "max_model_len": 256,
+            "device": "cpu",
+        },
+        served_model_name="tiny",
+        num_replicas=2,
+        max_waiting_requests=8,
+        hung_step_s=3,
+    )
     url = start_app(cfg, num_cpus=8)
     yield url, serve.get_deployment_handle("LLMServer", app_name="eagleserve")
     print("\nrecovery seconds:", json.dumps({k: round(v, 1) for k, v in RECOVERY.items()}))
@@ -41,15 +53,24 @@ STOPS = ["e\x00", "s\x00", "n\x00", "t\x00"]
 
 
 def _body(prompt, max_tokens=MAX_TOKENS, stream=True):
-    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": stream, "stop": STOPS}
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+        "stop": STOPS,
+    }
 
 
 def _stream(base_url, prompt, started: threading.Event | None = None) -> dict:
     """One SSE stream: its text, whether it ended with [DONE], and any error (status or in-band)."""
     text, chunks = [], 0
     try:
-        with httpx.stream("POST", f"{base_url}/v1/completions", json=_body(prompt), timeout=120) as r:
+        with httpx.stream(
+            "POST", f"{base_url}/v1/completions", json=_body(prompt), timeout=120
+        ) as r:
             if r.status_code != 200:
                 return {"text": "", "done": False, "error": f"http {r.status_code}"}
             for line in r.iter_lines():
@@ -59,7 +80,11 @@ def _stream(base_url, prompt, started: threading.Event | None = None) -> dict:
                     return {"text": "".join(text), "done": True, "error": None}
                 event = json.loads(line[6:])
                 if "error" in event:
-                    return {"text": "".join(text), "done": False, "error": event["error"]["message"]}
+                    return {
+                        "text": "".join(text),
+                        "done": False,
+                        "error": event["error"]["message"],
+                    }
                 text += [c["text"] for c in event["choices"]]
                 chunks += 1
                 if started and chunks >= 4:
@@ -148,7 +173,9 @@ def _check_resumed(results, reference):
 def test_killed_rank_streams_resume_identically(app, reference):
     base_url, handle = app
     victim = _busy_replica(handle)
-    results, at = _under_fault(base_url, lambda: os.kill(victim["workers"][1]["pid"], signal.SIGKILL))
+    results, at = _under_fault(
+        base_url, lambda: os.kill(victim["workers"][1]["pid"], signal.SIGKILL)
+    )
     _check_resumed(results, reference)
     RECOVERY["killed rank"] = _wait_recovered(base_url, handle, {victim["pid"]}, at)
 
@@ -159,7 +186,9 @@ def test_killed_replica_streams_resume_and_retrying_client_completes(app, refere
 
     def retrying_request(prompt):  # a client that retries on an error status
         for _ in range(10):
-            r = httpx.post(f"{base_url}/v1/completions", json=_body(prompt, 32, stream=False), timeout=120)
+            r = httpx.post(
+                f"{base_url}/v1/completions", json=_body(prompt, 32, stream=False), timeout=120
+            )
             if r.status_code == 200:
                 return r.json()["usage"]["completion_tokens"]
             time.sleep(1)
@@ -206,7 +235,17 @@ def test_overload_gets_429_never_a_hang(app):
     base_url, _ = app
     start = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(48) as pool:
-        statuses = list(pool.map(lambda p: httpx.post(f"{base_url}/v1/completions", json=_body(p, 24, False),
-                                                      timeout=120).status_code, PROMPTS * 8))
-    assert set(statuses) <= {200, 429, 503} and statuses.count(429) > 0 and statuses.count(200) >= 16
+        statuses = list(
+            pool.map(
+                lambda p: (
+                    httpx.post(
+                        f"{base_url}/v1/completions", json=_body(p, 24, False), timeout=120
+                    ).status_code
+                ),
+                PROMPTS * 8,
+            )
+        )
+    assert (
+        set(statuses) <= {200, 429, 503} and statuses.count(429) > 0 and statuses.count(200) >= 16
+    )
     assert time.monotonic() - start < 120

@@ -1,6 +1,7 @@
 """GPU checks (skipped without CUDA): CUDA-graph output equals eager output, speculative equals
 plain, and no host synchronisation inside a step under torch.cuda.set_sync_debug_mode("error").
 On the H200 machine: `python tests/test_gpu.py` (no pytest there) or `python -m pytest tests/test_gpu.py`."""
+
 import json
 import os
 
@@ -13,21 +14,47 @@ from speculative.engine import LLMEngine, encode_prompt
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 MODEL = os.environ.get("EAGLESERVE_GPU_MODEL", "smollm2-135m")
 DRAFTER = os.environ.get("EAGLESERVE_GPU_DRAFTER", "default")
-QUESTIONS = ["What is 2+2?", "Write a haiku about the sea.", "Name three colors.", "Explain gravity briefly.",
-             "What is the capital of Japan?"]
+QUESTIONS = [
+    "What is 2+2?",
+    "Write a haiku about the sea.",
+    "Name three colors.",
+    "Explain gravity briefly.",
+    "What is the capital of Japan?",
+]
 
 
-def _run(drafter: str, graphs: bool, k: int = 3, check_sync: bool = False, max_tokens: int = 48,
-         max_batch_size: int = 8, graph_first_draft: bool = False, prompt_lookup: float = 0.0,
-         questions: list[str] = QUESTIONS, siblings: int = 0):
+def _run(
+    drafter: str,
+    graphs: bool,
+    k: int = 3,
+    check_sync: bool = False,
+    max_tokens: int = 48,
+    max_batch_size: int = 8,
+    graph_first_draft: bool = False,
+    prompt_lookup: float = 0.0,
+    questions: list[str] = QUESTIONS,
+    siblings: int = 0,
+):
     """-> (output ids per question, the engine's number of accepted drafts)."""
-    cfg = EngineConfig(model=MODEL, drafter=drafter, num_draft_tokens=k, max_batch_size=max_batch_size, max_model_len=512,
-                       device="cuda", dtype="float32", cuda_graphs=graphs, graph_first_draft=graph_first_draft,
-                       prompt_lookup=prompt_lookup, draft_siblings=siblings)
+    cfg = EngineConfig(
+        model=MODEL,
+        drafter=drafter,
+        num_draft_tokens=k,
+        max_batch_size=max_batch_size,
+        max_model_len=512,
+        device="cuda",
+        dtype="float32",
+        cuda_graphs=graphs,
+        graph_first_draft=graph_first_draft,
+        prompt_lookup=prompt_lookup,
+        draft_siblings=siblings,
+    )
     engine = LLMEngine(cfg)
     engine.executor.check_host_sync = check_sync
     prompts = [encode_prompt(engine.tokenizer, q) for q in questions]
-    outputs = [r.output_ids for r in engine.generate(prompts, SamplingParams(max_tokens=max_tokens))]
+    outputs = [
+        r.output_ids for r in engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+    ]
     return outputs, engine.scheduler.stats.num_draft_accepted
 
 
@@ -47,14 +74,32 @@ def test_graphs_equal_eager_and_spec_equals_plain():
     assert _generate("none", graphs=True, max_batch_size=2) == plain_eager
     # the whole decode step (verify, first draft, draft steps 2..K) as one graph
     assert _generate(DRAFTER, graphs=True, graph_first_draft=True) == plain_eager
-    assert _generate(DRAFTER, graphs=True, k=5, max_batch_size=2, graph_first_draft=True) == plain_eager
+    assert (
+        _generate(DRAFTER, graphs=True, k=5, max_batch_size=2, graph_first_draft=True)
+        == plain_eager
+    )
     # prompt lookup in the chain: its token history written and read inside the graphs
     assert _generate(DRAFTER, graphs=True, prompt_lookup=0.5) == plain_eager
-    assert _generate(DRAFTER, graphs=True, k=5, max_batch_size=2, graph_first_draft=True, prompt_lookup=0.5) == plain_eager
+    assert (
+        _generate(
+            DRAFTER, graphs=True, k=5, max_batch_size=2, graph_first_draft=True, prompt_lookup=0.5
+        )
+        == plain_eager
+    )
     # the draft tree: its mask, the siblings' state and the moved sibling K/V inside the graphs
     assert _generate(DRAFTER, graphs=True, siblings=1) == plain_eager
-    assert _generate(DRAFTER, graphs=True, k=5, max_batch_size=2, graph_first_draft=True, siblings=2,
-                     prompt_lookup=0.5) == plain_eager
+    assert (
+        _generate(
+            DRAFTER,
+            graphs=True,
+            k=5,
+            max_batch_size=2,
+            graph_first_draft=True,
+            siblings=2,
+            prompt_lookup=0.5,
+        )
+        == plain_eager
+    )
 
 
 def test_logprobs_take_the_eager_path_unchanged():
@@ -62,15 +107,37 @@ def test_logprobs_take_the_eager_path_unchanged():
     (the graphs return no logits), without host synchronisation: the other requests' tokens stay those
     of the graphs, and each token is its own top token with the same log-probability."""
     plain = _generate(DRAFTER, graphs=True)
-    engine = LLMEngine(EngineConfig(model=MODEL, drafter=DRAFTER, num_draft_tokens=3, max_batch_size=8,
-                                    max_model_len=512, device="cuda", dtype="float32"))
+    engine = LLMEngine(
+        EngineConfig(
+            model=MODEL,
+            drafter=DRAFTER,
+            num_draft_tokens=3,
+            max_batch_size=8,
+            max_model_len=512,
+            device="cuda",
+            dtype="float32",
+        )
+    )
     engine.executor.check_host_sync = True
     prompts = [encode_prompt(engine.tokenizer, q) for q in QUESTIONS]
-    requests = [engine.add_request(p, SamplingParams(max_tokens=48, logprobs=2 if i % 2 else None,
-                                                     prompt_logprobs=2 if i % 2 else None))
-                for i, p in enumerate(prompts)]
-    engine.add_request(prompts[0], SamplingParams(max_tokens=48, frequency_penalty=1.0, presence_penalty=0.5,
-                                                  logit_bias={13: 2.0, 28: -5.0}))
+    requests = [
+        engine.add_request(
+            p,
+            SamplingParams(
+                max_tokens=48, logprobs=2 if i % 2 else None, prompt_logprobs=2 if i % 2 else None
+            ),
+        )
+        for i, p in enumerate(prompts)
+    ]
+    engine.add_request(
+        prompts[0],
+        SamplingParams(
+            max_tokens=48,
+            frequency_penalty=1.0,
+            presence_penalty=0.5,
+            logit_bias={13: 2.0, 28: -5.0},
+        ),
+    )
     logprobs = {r.request_id: [] for r in requests}
     while engine.has_work:
         for out in engine.step():
@@ -88,13 +155,26 @@ def test_sampled_steps_replay_the_target_pass_graph():
     for drafter, siblings in (("none", 0), (DRAFTER, 0), (DRAFTER, 1)):
         outputs = []
         for graphs in (False, True):
-            engine = LLMEngine(EngineConfig(model=MODEL, drafter=drafter, num_draft_tokens=3, max_batch_size=8,
-                                            max_model_len=512, device="cuda", dtype="float32", cuda_graphs=graphs,
-                                            draft_siblings=siblings))
+            engine = LLMEngine(
+                EngineConfig(
+                    model=MODEL,
+                    drafter=drafter,
+                    num_draft_tokens=3,
+                    max_batch_size=8,
+                    max_model_len=512,
+                    device="cuda",
+                    dtype="float32",
+                    cuda_graphs=graphs,
+                    draft_siblings=siblings,
+                )
+            )
             engine.executor.check_host_sync = True
             assert (engine.executor.pass_graphs is not None) == graphs
             prompts = [encode_prompt(engine.tokenizer, q) for q in QUESTIONS]
-            params = [SamplingParams(max_tokens=48, temperature=0.8, top_p=0.95, seed=i) for i in range(len(prompts))]
+            params = [
+                SamplingParams(max_tokens=48, temperature=0.8, top_p=0.95, seed=i)
+                for i in range(len(prompts))
+            ]
             outputs.append([r.output_ids for r in engine.generate(prompts, params)])
         assert outputs[0] == outputs[1], (drafter, siblings)
 
@@ -102,9 +182,14 @@ def test_sampled_steps_replay_the_target_pass_graph():
 def test_prompt_lookup_drafts_the_same_in_graphs():
     """Greedy output cannot show the drafts; the number of accepted drafts can. With prompt lookup
     on, its token history is written and read inside the graphs: graphs and eager must draft alike."""
-    questions = QUESTIONS + ["Repeat exactly: red fox, blue fox, red fox, blue fox, red fox, blue fox."]
+    questions = QUESTIONS + [
+        "Repeat exactly: red fox, blue fox, red fox, blue fox, red fox, blue fox."
+    ]
     eager = _run(DRAFTER, graphs=False, max_batch_size=2, prompt_lookup=0.8, questions=questions)
-    assert _run(DRAFTER, graphs=True, max_batch_size=2, prompt_lookup=0.8, questions=questions) == eager
+    assert (
+        _run(DRAFTER, graphs=True, max_batch_size=2, prompt_lookup=0.8, questions=questions)
+        == eager
+    )
 
 
 def test_draft_tree_drafts_the_same_in_graphs():
@@ -120,9 +205,16 @@ def test_no_host_sync_inside_steps():
     plain = _generate("none", graphs=True, max_tokens=16)
     assert _generate(DRAFTER, graphs=True, check_sync=True, max_tokens=16) == plain
     assert _generate(DRAFTER, graphs=False, check_sync=True, max_tokens=16) == plain
-    assert _generate(DRAFTER, graphs=True, check_sync=True, max_tokens=16, graph_first_draft=True) == plain
-    assert _generate(DRAFTER, graphs=False, check_sync=True, max_tokens=16, prompt_lookup=0.5) == plain
-    assert _generate(DRAFTER, graphs=True, check_sync=True, max_tokens=16, prompt_lookup=0.5) == plain
+    assert (
+        _generate(DRAFTER, graphs=True, check_sync=True, max_tokens=16, graph_first_draft=True)
+        == plain
+    )
+    assert (
+        _generate(DRAFTER, graphs=False, check_sync=True, max_tokens=16, prompt_lookup=0.5) == plain
+    )
+    assert (
+        _generate(DRAFTER, graphs=True, check_sync=True, max_tokens=16, prompt_lookup=0.5) == plain
+    )
     assert _generate(DRAFTER, graphs=True, check_sync=True, max_tokens=16, siblings=1) == plain
 
 
@@ -130,8 +222,10 @@ def test_gqa_attention_equals_folded_under_cudnn():
     """In bf16 the graphs run GQA attention through cuDNN (the fp32 checks above fold): it must give
     what the folded form gives, and cuDNN must accept it (forced, so no silent fallback to math)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from workers.attention import CachedAttention, ForwardBatch, attention_inputs, use_gqa
     from workers.layers import Rotary
+
     torch.manual_seed(0)
     dev, dt, H, KV, D = torch.device("cuda"), torch.bfloat16, 9, 3, 64
     attn = CachedAttention(576, 576, H, KV, D, Rotary(D, 1024, 10000.0)).to(dev, dt)
@@ -155,10 +249,15 @@ def test_gqa_attention_equals_folded_under_cudnn():
 
 if __name__ == "__main__":
     results = {}
-    for test in (test_graphs_equal_eager_and_spec_equals_plain, test_logprobs_take_the_eager_path_unchanged,
-                 test_sampled_steps_replay_the_target_pass_graph, test_prompt_lookup_drafts_the_same_in_graphs,
-                 test_draft_tree_drafts_the_same_in_graphs,
-                 test_no_host_sync_inside_steps, test_gqa_attention_equals_folded_under_cudnn):
+    for test in (
+        test_graphs_equal_eager_and_spec_equals_plain,
+        test_logprobs_take_the_eager_path_unchanged,
+        test_sampled_steps_replay_the_target_pass_graph,
+        test_prompt_lookup_drafts_the_same_in_graphs,
+        test_draft_tree_drafts_the_same_in_graphs,
+        test_no_host_sync_inside_steps,
+        test_gqa_attention_equals_folded_under_cudnn,
+    ):
         try:
             test()
             results[test.__name__] = "passed"

@@ -1,5 +1,6 @@
 """`eagleserve loadtest` against a real Ray Serve app (a tiny random Llama with SmolLM2's tokenizer,
 on loopback): counts, latencies and error kinds, the JSON/plot output, the loopback-only guard."""
+
 import asyncio
 import http.server
 import json
@@ -9,14 +10,14 @@ import threading
 
 import httpx
 import pytest
-
 from conftest import DATA
+from serve_app import start_app, stop_app
+from tiny_models import tiny_llama
+
 from deployments import loadtest
 from deployments.bench import load_prompts
 from deployments.cli import main
 from deployments.config import ServeConfig
-from serve_app import start_app, stop_app
-from tiny_models import tiny_llama
 from workers.distributed import free_port
 
 GSM8K_TEST = str(DATA / "gsm8k" / "test.jsonl")  # ../shared/data, wherever the checkout is
@@ -28,8 +29,17 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory):
     model = str(tiny_llama(tmp_path_factory.mktemp("loadtest") / "tiny"))
-    cfg = ServeConfig(engine={"model": model, "drafter": "none", "max_batch_size": 8, "max_model_len": 512,
-                              "device": "cpu"}, served_model_name="tiny", api_key=KEY)
+    cfg = ServeConfig(
+        engine={
+            "model": model,
+            "drafter": "none",
+            "max_batch_size": 8,
+            "max_model_len": 512,
+            "device": "cpu",
+        },
+        served_model_name="tiny",
+        api_key=KEY,
+    )
     url = start_app(cfg, num_cpus=2)
     yield url
     stop_app()
@@ -41,14 +51,19 @@ def prompts():
 
 
 def _run(base_url, prompts, **kw):
-    args = dict(model="tiny", max_tokens=MAX_TOKENS, ignore_eos=True, api_key=KEY, timeout_s=60) | kw
+    args = (
+        dict(model="tiny", max_tokens=MAX_TOKENS, ignore_eos=True, api_key=KEY, timeout_s=60) | kw
+    )
     return loadtest.loadtest(base_url, prompts, **args)
 
 
 def _completion_tokens(base_url) -> float:
     text = httpx.get(f"{base_url}/metrics", timeout=30).text
-    return next(float(line.split()[1]) for line in text.splitlines()
-                if line.startswith("eagleserve_completion_tokens_total"))
+    return next(
+        float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith("eagleserve_completion_tokens_total")
+    )
 
 
 def test_sweep_all_ok_and_tokens_match_the_server(base_url, prompts):
@@ -59,13 +74,17 @@ def test_sweep_all_ok_and_tokens_match_the_server(base_url, prompts):
         assert r["num_ok"] == r["num_requests"] == 8 and r["errors"] == {}
         assert r["output_tokens"] == 8 * MAX_TOKENS
         assert r["output_tokens_per_s"] > 0 and r["requests_per_s"] > 0
-        assert r["ttft_ms"]["p50"] <= r["e2e_ms"]["p50"] and r["ttft_ms"]["p99"] <= r["e2e_ms"]["p99"]
+        assert (
+            r["ttft_ms"]["p50"] <= r["e2e_ms"]["p50"] and r["ttft_ms"]["p99"] <= r["e2e_ms"]["p99"]
+        )
         assert r["itl_ms"]["p50"] is not None
     assert _completion_tokens(base_url) - before == sum(r["output_tokens"] for r in runs)
 
 
 def test_each_request_is_timed_in_order(base_url, prompts):
-    bodies = [loadtest.request_body("completions", "tiny", p, MAX_TOKENS, 0.0, True) for p in prompts[:4]]
+    bodies = [
+        loadtest.request_body("completions", "tiny", p, MAX_TOKENS, 0.0, True) for p in prompts[:4]
+    ]
     results, wall_s = asyncio.run(loadtest.run_level(base_url, bodies, concurrency=2, api_key=KEY))
     assert len(results) == 4
     for r in results:
@@ -92,27 +111,65 @@ def test_errors_are_counted_by_kind(base_url, prompts):
 
 def test_cli_writes_table_json_and_plot(base_url, tmp_path, capsys):
     out = tmp_path / "lt.json"
-    main(["loadtest", "--url", f"{base_url}/v1", "--dataset", GSM8K_TEST, "--model", "tiny", "--api-key", KEY, "--concurrency", "1,4",
-          "--num-requests", "8", "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "-o", str(out)])
+    main(
+        [
+            "loadtest",
+            "--url",
+            f"{base_url}/v1",
+            "--dataset",
+            GSM8K_TEST,
+            "--model",
+            "tiny",
+            "--api-key",
+            KEY,
+            "--concurrency",
+            "1,4",
+            "--num-requests",
+            "8",
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--ignore-eos",
+            "-o",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert "concurrency" in printed and "ttft p50" in printed and f"results: {out}" in printed
     data = json.loads(out.read_text())
     assert data["url"] == base_url and data["model"] == "tiny" and len(data["runs"]) == 2
     for r in data["runs"]:
-        assert {"concurrency", "num_requests", "num_ok", "errors", "output_tokens", "wall_s", "output_tokens_per_s",
-                "requests_per_s", "ttft_ms", "itl_ms", "e2e_ms"} <= r.keys()
+        assert {
+            "concurrency",
+            "num_requests",
+            "num_ok",
+            "errors",
+            "output_tokens",
+            "wall_s",
+            "output_tokens_per_s",
+            "requests_per_s",
+            "ttft_ms",
+            "itl_ms",
+            "e2e_ms",
+        } <= r.keys()
         assert {"p50", "p99"} <= r["ttft_ms"].keys() and r["num_ok"] == 8
     assert out.with_suffix(".png").stat().st_size > 0
 
 
 def test_non_loopback_url_is_refused():
-    proc = subprocess.run([sys.executable, "-m", "deployments.cli", "loadtest", "--url", "http://10.1.2.3:8000"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "deployments.cli", "loadtest", "--url", "http://10.1.2.3:8000"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "not loopback" in proc.stderr and "--allow-remote" in proc.stderr
     for url in ("http://127.0.0.1:8000/v1", "http://localhost:8000", "http://[::1]:8000"):
         assert loadtest.check_url(url, allow_remote=False).endswith(":8000")
-    assert loadtest.check_url("https://cluster.example.com", allow_remote=True) == "https://cluster.example.com"
+    assert (
+        loadtest.check_url("https://cluster.example.com", allow_remote=True)
+        == "https://cluster.example.com"
+    )
     with pytest.raises(ValueError, match="not an http"):
         loadtest.check_url("127.0.0.1:8000", allow_remote=False)
 
@@ -120,9 +177,15 @@ def test_non_loopback_url_is_refused():
 def test_prompt_files_are_checked(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a"}\n\n{"question": "b", "prompt": "c"}\n{"turns": ["d"]}\n')
-    assert load_prompts(str(path), 10) == ["a", "c", "d"]  # blank lines skipped; "prompt" wins when present
+    assert load_prompts(str(path), 10) == [
+        "a",
+        "c",
+        "d",
+    ]  # blank lines skipped; "prompt" wins when present
     path.write_text('{"prompt": "a"}\n{"prompt": ""}\n')
-    with pytest.raises(ValueError, match=r"p\.jsonl:2: expected a JSON object with a non-empty prompt"):
+    with pytest.raises(
+        ValueError, match=r"p\.jsonl:2: expected a JSON object with a non-empty prompt"
+    ):
         load_prompts(str(path), 10)
     path.write_text("\n")
     with pytest.raises(ValueError, match="holds no prompts"):
@@ -131,7 +194,7 @@ def test_prompt_files_are_checked(tmp_path):
 
 STREAMS = {  # model name -> the SSE body a misbehaving server sends
     "no-space": 'data:{"choices": [{"text": "hi"}]}\n\ndata:{"choices": [], "usage": {"completion_tokens": 3}}\n\n'
-                "data:[DONE]\n\n",
+    "data:[DONE]\n\n",
     "null-event": "data: null\n\ndata: [DONE]\n\n",
     "no-usage": 'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n',
 }
@@ -154,11 +217,23 @@ def test_a_misbehaving_stream_is_counted_not_a_crash():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_port}"
     try:
-        runs = {m: loadtest.loadtest(url, ["x"], concurrency=[1], num_requests=2, model=m, endpoint="completions",
-                                     timeout_s=10)[0] for m in STREAMS}
+        runs = {
+            m: loadtest.loadtest(
+                url,
+                ["x"],
+                concurrency=[1],
+                num_requests=2,
+                model=m,
+                endpoint="completions",
+                timeout_s=10,
+            )[0]
+            for m in STREAMS
+        }
     finally:
         server.shutdown()
-    assert runs["no-space"]["num_ok"] == 2 and runs["no-space"]["output_tokens"] == 6  # SSE's space is optional
+    assert (
+        runs["no-space"]["num_ok"] == 2 and runs["no-space"]["output_tokens"] == 6
+    )  # SSE's space is optional
     assert not runs["no-space"]["tokens_estimated"]
     assert runs["null-event"]["errors"] == {"stream_error": 2}
     assert runs["no-usage"]["output_tokens"] == 4 and runs["no-usage"]["tokens_estimated"]

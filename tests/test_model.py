@@ -1,5 +1,6 @@
 """The target model against Hugging Face transformers: weights (GGUF conversion), logits, and greedy
 generation of the real SmolLM2-135M token for token."""
+
 import json
 import re
 import time
@@ -7,8 +8,8 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from conftest import run_to_completion, tiny_engine, tiny_prompts, write_tiny_llama
+
 from speculative.config import SamplingParams
 from workers.attention import ForwardBatch, allocate_kv_cache
 from workers.llama import Llama, LlamaConfig
@@ -20,8 +21,15 @@ def our_llama(model_dir, max_len: int = 128) -> Llama:
     cfg = LlamaConfig.from_hf(load_config(model_dir))
     model = Llama(cfg, max_positions=max_len, aux_layer_ids=())
     load_target_weights(model, model_dir)
-    cache = allocate_kv_cache(cfg.num_hidden_layers, 1, max_len, cfg.num_key_value_heads, cfg.head_dim,
-                              torch.float32, "cpu")
+    cache = allocate_kv_cache(
+        cfg.num_hidden_layers,
+        1,
+        max_len,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        torch.float32,
+        "cpu",
+    )
     for layer, c in zip(model.layers, cache):
         layer.self_attn.cache = c
     return model
@@ -30,7 +38,9 @@ def our_llama(model_dir, max_len: int = 128) -> Llama:
 def full_forward_logits(model: Llama, ids: list[int]) -> torch.Tensor:
     T = len(ids)
     positions = torch.arange(T).unsqueeze(0)
-    batch = ForwardBatch(torch.tensor([0]), positions, torch.zeros(1, T, dtype=torch.long), positions, T)
+    batch = ForwardBatch(
+        torch.tensor([0]), positions, torch.zeros(1, T, dtype=torch.long), positions, T
+    )
     hidden, _ = model(torch.tensor([ids]), batch)
     return model.logits(hidden)[0]
 
@@ -39,6 +49,7 @@ def test_gqa_attention_equals_folded(tmp_path, monkeypatch):
     """Both ways of running the attention (GQA from strided queries, or the query heads folded into
     the query length) give the same logits, for one and for several tokens per row, over cached keys."""
     import workers.attention
+
     model = our_llama(write_tiny_llama(tmp_path / "m", num_heads=4, num_kv_heads=2, seed=5))
     for layer in model.layers:  # 2 slots + dummy, random: rows past each position must stay masked
         layer.self_attn.cache = torch.randn(2, 3, *layer.self_attn.cache.shape[2:])
@@ -48,7 +59,13 @@ def test_gqa_attention_equals_folded(tmp_path, monkeypatch):
         monkeypatch.setattr(workers.attention, "use_gqa", lambda *args, gqa=gqa: gqa)
         for T in (5, 1):
             positions = torch.tensor([[7], [11]]) + torch.arange(T)
-            batch = ForwardBatch(torch.tensor([0, 1]), positions, torch.tensor([[0], [1]]).expand(2, T), positions, 32)
+            batch = ForwardBatch(
+                torch.tensor([0, 1]),
+                positions,
+                torch.tensor([[0], [1]]).expand(2, T),
+                positions,
+                32,
+            )
             hidden, _ = model(ids[:, :T], batch)
             logits[gqa, T] = model.logits(hidden)
     for T in (5, 1):
@@ -58,6 +75,7 @@ def test_gqa_attention_equals_folded(tmp_path, monkeypatch):
 @pytest.mark.parametrize("tie, layers", [(False, 4), (True, 2)])
 def test_tiny_logits_match_hf(tmp_path, tie, layers):
     from transformers import AutoModelForCausalLM
+
     model_dir = write_tiny_llama(tmp_path / "m", tie=tie, num_layers=layers, seed=11)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     ids = tiny_prompts(1, seed=2, min_len=30, max_len=30)[0]
@@ -72,16 +90,27 @@ def test_tiny_greedy_matches_hf_generate(tmp_path, tie, layers):
     """Batched engine output (different prompt lengths, continuous batching) == HF generate one by
     one. The 2-layer target is shallower than the default aux layers (2, L/2, L-3): plain runs anyway."""
     from transformers import AutoModelForCausalLM
+
     tiny_dir = write_tiny_llama(tmp_path / "m", tie=tie, num_layers=layers, seed=12)
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
     prompts = tiny_prompts(6, seed=4)
-    requests = run_to_completion(tiny_engine(tiny_dir, max_batch_size=4), prompts,
-                                 SamplingParams(max_tokens=32, ignore_eos=True), [0, 0, 1, 2, 6, 7])
+    requests = run_to_completion(
+        tiny_engine(tiny_dir, max_batch_size=4),
+        prompts,
+        SamplingParams(max_tokens=32, ignore_eos=True),
+        [0, 0, 1, 2, 6, 7],
+    )
     for prompt, r in zip(prompts, requests):
         ids = torch.tensor([prompt])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-        assert r.output_ids == out[0, len(prompt):].tolist()
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=32,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        assert r.output_ids == out[0, len(prompt) :].tolist()
 
 
 def test_gguf_conversion_matches_hf_dequantization(smollm2_dir, hf_smollm2):
@@ -92,7 +121,7 @@ def test_gguf_conversion_matches_hf_dequantization(smollm2_dir, hf_smollm2):
     for name, tensor in iter_safetensors(smollm2_dir):
         torch.testing.assert_close(tensor, hf_state[name], rtol=0, atol=0, msg=name)
         names += 1
-    assert names == 30 * 9 + 2   # tied embeddings: no lm_head.weight
+    assert names == 30 * 9 + 2  # tied embeddings: no lm_head.weight
 
 
 @pytest.fixture(scope="module")
@@ -103,17 +132,25 @@ def hf_greedy_64(hf_smollm2, smollm2_prompts, smollm2_engine):
     outs = []
     with torch.no_grad():
         for start in range(0, len(smollm2_prompts), 10):
-            batch = smollm2_prompts[start:start + 10]
+            batch = smollm2_prompts[start : start + 10]
             T = max(map(len, batch))
             ids = torch.tensor([[eos[0]] * (T - len(p)) + p for p in batch])
             mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in batch])
-            out = hf_smollm2.generate(ids, attention_mask=mask, max_new_tokens=64, do_sample=False,
-                                      eos_token_id=eos, pad_token_id=eos[0])[:, T:].tolist()
-            outs += [o[:next((i for i, t in enumerate(o) if t in eos), len(o))] for o in out]
+            out = hf_smollm2.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=64,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos[0],
+            )[:, T:].tolist()
+            outs += [o[: next((i for i, t in enumerate(o) if t in eos), len(o))] for o in out]
     return outs
 
 
-def test_smollm2_greedy_matches_hf_generate(smollm2_prompts, smollm2_greedy_64, hf_greedy_64, smollm2_near_tie):
+def test_smollm2_greedy_matches_hf_generate(
+    smollm2_prompts, smollm2_greedy_64, hf_greedy_64, smollm2_near_tie
+):
     """20 benchmark prompts with the chat template, run as ONE batch of different prompt lengths
     (fp32, CPU), against HF generate from the GGUF file: equal, or the first difference a near-tie."""
     assert len(smollm2_prompts) == 20 and len({len(p) for p in smollm2_prompts}) > 10
@@ -124,28 +161,52 @@ def test_smollm2_greedy_matches_hf_generate(smollm2_prompts, smollm2_greedy_64, 
 
 # ---- loading refuses what does not fit, naming the file ----
 
+
 def rewrite_tensors(model_dir, **changes):
     """Replace (a tensor) or drop (None) checkpoint tensors of a model directory."""
     from safetensors.torch import load_file, save_file
+
     file = model_dir / "model.safetensors"
     tensors = load_file(str(file)) | changes
     save_file({n: t for n, t in tensors.items() if t is not None}, str(file))
     return model_dir
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"model.norm.weight": torch.tensor([7.0])}, r"'model.norm.weight' has shape \[1\], .* \[64\]"),
-    ({"model.layers.0.self_attn.q_proj.weight": torch.zeros(128, 64)},
-     r"q_proj.weight' has shape \[128, 64\], .* \[64, 64\]"),
-    ({"model.layers.0.self_attn.o_proj.weight": torch.zeros(64, 1)}, r"o_proj.weight' has shape \[64, 1\]"),
-    ({"model.layers.3.mlp.down_proj.weight": torch.zeros(64, 999)}, r"down_proj.weight' has shape \[64, 999\]"),
-    ({"model.embed_tokens.weight": torch.zeros(60, 64)}, r"embed_tokens.weight' has shape \[60, 64\], .* \[64, 64\]"),
-    ({"lm_head.weight": torch.zeros(80, 64)}, r"lm_head.weight' has shape \[80, 64\]"),
-    ({"model.layers.1.self_attn.k_proj.weight": None}, r"lacks weights for \['layers.1.self_attn.k_proj.weight'\]"),
-    ({"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)},
-     r"unexpected tensor 'model.layers.0.self_attn.q_proj.bias'"),
-    ({"junk": torch.zeros(1)}, r"unexpected tensor 'junk'"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"model.norm.weight": torch.tensor([7.0])},
+            r"'model.norm.weight' has shape \[1\], .* \[64\]",
+        ),
+        (
+            {"model.layers.0.self_attn.q_proj.weight": torch.zeros(128, 64)},
+            r"q_proj.weight' has shape \[128, 64\], .* \[64, 64\]",
+        ),
+        (
+            {"model.layers.0.self_attn.o_proj.weight": torch.zeros(64, 1)},
+            r"o_proj.weight' has shape \[64, 1\]",
+        ),
+        (
+            {"model.layers.3.mlp.down_proj.weight": torch.zeros(64, 999)},
+            r"down_proj.weight' has shape \[64, 999\]",
+        ),
+        (
+            {"model.embed_tokens.weight": torch.zeros(60, 64)},
+            r"embed_tokens.weight' has shape \[60, 64\], .* \[64, 64\]",
+        ),
+        ({"lm_head.weight": torch.zeros(80, 64)}, r"lm_head.weight' has shape \[80, 64\]"),
+        (
+            {"model.layers.1.self_attn.k_proj.weight": None},
+            r"lacks weights for \['layers.1.self_attn.k_proj.weight'\]",
+        ),
+        (
+            {"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)},
+            r"unexpected tensor 'model.layers.0.self_attn.q_proj.bias'",
+        ),
+        ({"junk": torch.zeros(1)}, r"unexpected tensor 'junk'"),
+    ],
+)
 def test_wrong_target_tensors_are_refused(tmp_path, changes, message):
     model_dir = rewrite_tensors(write_tiny_llama(tmp_path / "m"), **changes)
     with pytest.raises(ValueError, match=f"{tmp_path / 'm'}.*{message}"):
@@ -155,31 +216,40 @@ def test_wrong_target_tensors_are_refused(tmp_path, changes, message):
 def test_config_and_checkpoint_shapes_must_agree(tmp_path):
     model_dir = write_tiny_llama(tmp_path / "m")
     config = load_config(model_dir)
-    for key, value, tensor in (("vocab_size", 100, "(embed_tokens|lm_head)"), ("intermediate_size", 96, "mlp.*_proj")):
+    for key, value, tensor in (
+        ("vocab_size", 100, "(embed_tokens|lm_head)"),
+        ("intermediate_size", 96, "mlp.*_proj"),
+    ):
         (model_dir / "config.json").write_text(json.dumps(config | {key: value}))
         with pytest.raises(ValueError, match=f"{tensor}.weight' has shape"):
             our_llama(model_dir)
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"num_attention_heads": 0}, "num_attention_heads must be a positive int"),
-    ({"num_attention_heads": 3, "num_key_value_heads": 3}, "3 does not divide hidden_size 64"),
-    ({"num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads 4"),
-    ({"hidden_size": "64"}, "hidden_size must be a positive int, not '64'"),
-    ({"vocab_size": -1}, "vocab_size must be a positive int"),
-    ({"intermediate_size": 1.5}, "intermediate_size must be a positive int"),
-    ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive int"),
-    ({"rms_norm_eps": -1.0}, "rms_norm_eps must be a positive float"),
-    ({"rms_norm_eps": 0}, "rms_norm_eps must be a positive float"),
-    ({"num_hidden_layers": None}, "lacks num_hidden_layers"),
-    ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "only Llama"),
-    ({"model_type": "qwen2"}, "only Llama"),
-    ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh' is not supported"),
-    ({"attention_bias": True}, "attention_bias is set"),
-    ({"mlp_bias": True}, "mlp_bias is set"),
-    ({"rope_scaling": {"type": "linear", "factor": 4.0}}, "unsupported rope scaling 'linear'"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "unsupported rope scaling 'llama3'"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"num_attention_heads": 0}, "num_attention_heads must be a positive int"),
+        ({"num_attention_heads": 3, "num_key_value_heads": 3}, "3 does not divide hidden_size 64"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads 4"),
+        ({"hidden_size": "64"}, "hidden_size must be a positive int, not '64'"),
+        ({"vocab_size": -1}, "vocab_size must be a positive int"),
+        ({"intermediate_size": 1.5}, "intermediate_size must be a positive int"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive int"),
+        ({"rms_norm_eps": -1.0}, "rms_norm_eps must be a positive float"),
+        ({"rms_norm_eps": 0}, "rms_norm_eps must be a positive float"),
+        ({"num_hidden_layers": None}, "lacks num_hidden_layers"),
+        ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "only Llama"),
+        ({"model_type": "qwen2"}, "only Llama"),
+        ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh' is not supported"),
+        ({"attention_bias": True}, "attention_bias is set"),
+        ({"mlp_bias": True}, "mlp_bias is set"),
+        ({"rope_scaling": {"type": "linear", "factor": 4.0}}, "unsupported rope scaling 'linear'"),
+        (
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+            "unsupported rope scaling 'llama3'",
+        ),
+    ],
+)
 def test_config_json_is_validated(tmp_path, changes, message):
     model_dir = write_tiny_llama(tmp_path / "m")
     config = {k: v for k, v in (load_config(model_dir) | changes).items() if v is not None}
@@ -190,29 +260,48 @@ def test_config_json_is_validated(tmp_path, changes, message):
 
 def test_supported_configs_pass(smollm2_dir, tmp_path):
     from workers.loader import RANDOM_SHAPES
+
     cfg = LlamaConfig.from_hf(load_config(smollm2_dir))
-    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (576, 9, 3, 64)
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (
+        576,
+        9,
+        3,
+        64,
+    )
     for tie in (False, True):
         LlamaConfig.from_hf(load_config(write_tiny_llama(tmp_path / str(tie), tie=tie)))
     for shape in RANDOM_SHAPES.values():
         LlamaConfig.from_hf(shape)
     # an explicit head_dim need not divide the hidden size; a default rope_scaling entry is fine
-    LlamaConfig.from_hf(load_config(smollm2_dir) | {"num_attention_heads": 7, "num_key_value_heads": 1,
-                                                    "rope_scaling": {"rope_type": "default"}})
+    LlamaConfig.from_hf(
+        load_config(smollm2_dir)
+        | {
+            "num_attention_heads": 7,
+            "num_key_value_heads": 1,
+            "rope_scaling": {"rope_type": "default"},
+        }
+    )
 
 
-@pytest.mark.parametrize("damage", ["truncated", "config", "index", "index_no_map", "index_outside"])
+@pytest.mark.parametrize(
+    "damage", ["truncated", "config", "index", "index_no_map", "index_outside"]
+)
 def test_malformed_files_are_named(tmp_path, damage):
     model_dir = write_tiny_llama(tmp_path / "m")
     weights, index = model_dir / "model.safetensors", model_dir / "model.safetensors.index.json"
     bad = {"truncated": weights, "config": model_dir / "config.json"}.get(damage, index)
     if damage == "truncated":
-        weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     elif damage in ("config", "index"):
         bad.write_text("{not json")
     else:
-        index.write_text(json.dumps({"metadata": {}} if damage == "index_no_map" else
-                                    {"weight_map": {"a": "../../etc/passwd"}}))
+        index.write_text(
+            json.dumps(
+                {"metadata": {}}
+                if damage == "index_no_map"
+                else {"weight_map": {"a": "../../etc/passwd"}}
+            )
+        )
     with pytest.raises(ValueError, match=re.escape(str(bad))):
         our_llama(model_dir)
 
@@ -221,6 +310,7 @@ def test_random_model_config_is_replaced_not_rewritten(tmp_path, monkeypatch):
     """Every TP rank resolves `random:<shape>`: the config is written only when it differs, and
     then replaced whole (a rank reading it never sees a truncated file)."""
     from workers.loader import resolve_model
+
     monkeypatch.setenv("EAGLESERVE_CACHE", str(tmp_path))
     config = resolve_model("random:smollm2-135m") / "config.json"
     before = config.stat()
@@ -229,37 +319,64 @@ def test_random_model_config_is_replaced_not_rewritten(tmp_path, monkeypatch):
     assert (config.stat().st_ino, config.stat().st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
     config.write_text("{")
     resolve_model("random:smollm2-135m")
-    assert load_config(config.parent)["hidden_size"] == 576 and config.stat().st_ino != before.st_ino
+    assert (
+        load_config(config.parent)["hidden_size"] == 576 and config.stat().st_ino != before.st_ino
+    )
     assert [p.name for p in config.parent.iterdir()] == ["config.json"]
 
 
 # ---- GGUF ----
 
-def write_tiny_gguf(path, H=32, heads=4, kv=2, D=None, V=64, I=64, L=2, omit=(), metadata=None, tensors=None):
+
+def write_tiny_gguf(
+    path, H=32, heads=4, kv=2, D=None, V=64, I=64, L=2, omit=(), metadata=None, tensors=None
+):
     """A float32 llama GGUF in llama.cpp's layout, without tokenizer metadata."""
     import gguf
     import numpy as np
+
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), "llama")
-    meta = {"llama.attention.head_count": heads, "llama.attention.head_count_kv": kv, "llama.embedding_length": H,
-            "llama.feed_forward_length": I, "llama.block_count": L, "llama.context_length": 256,
-            "llama.attention.layer_norm_rms_epsilon": 1e-5} | (metadata or {})
+    meta = {
+        "llama.attention.head_count": heads,
+        "llama.attention.head_count_kv": kv,
+        "llama.embedding_length": H,
+        "llama.feed_forward_length": I,
+        "llama.block_count": L,
+        "llama.context_length": 256,
+        "llama.attention.layer_norm_rms_epsilon": 1e-5,
+    } | (metadata or {})
     for key, value in meta.items():
         if key not in omit:
-            (w.add_string if isinstance(value, str) else w.add_float32 if isinstance(value, float) else
-             w.add_uint32)(key, value)
+            (
+                w.add_string
+                if isinstance(value, str)
+                else w.add_float32
+                if isinstance(value, float)
+                else w.add_uint32
+            )(key, value)
     D = D or H // heads
 
     def t(*shape):
         return (rng.standard_normal(shape) * 0.2).astype(np.float32)
 
-    all_tensors = {"token_embd.weight": t(V, H), "output_norm.weight": np.ones(H, np.float32), "output.weight": t(V, H)}
+    all_tensors = {
+        "token_embd.weight": t(V, H),
+        "output_norm.weight": np.ones(H, np.float32),
+        "output.weight": t(V, H),
+    }
     for i in range(L):
-        all_tensors |= {f"blk.{i}.attn_q.weight": t(heads * D, H), f"blk.{i}.attn_k.weight": t(kv * D, H),
-                        f"blk.{i}.attn_v.weight": t(kv * D, H), f"blk.{i}.attn_output.weight": t(H, heads * D),
-                        f"blk.{i}.ffn_gate.weight": t(I, H), f"blk.{i}.ffn_up.weight": t(I, H),
-                        f"blk.{i}.ffn_down.weight": t(H, I), f"blk.{i}.attn_norm.weight": np.ones(H, np.float32),
-                        f"blk.{i}.ffn_norm.weight": np.ones(H, np.float32)}
+        all_tensors |= {
+            f"blk.{i}.attn_q.weight": t(heads * D, H),
+            f"blk.{i}.attn_k.weight": t(kv * D, H),
+            f"blk.{i}.attn_v.weight": t(kv * D, H),
+            f"blk.{i}.attn_output.weight": t(H, heads * D),
+            f"blk.{i}.ffn_gate.weight": t(I, H),
+            f"blk.{i}.ffn_up.weight": t(I, H),
+            f"blk.{i}.ffn_down.weight": t(H, I),
+            f"blk.{i}.attn_norm.weight": np.ones(H, np.float32),
+            f"blk.{i}.ffn_norm.weight": np.ones(H, np.float32),
+        }
     for name, array in (all_tensors | (tensors or {})).items():
         if name not in omit:
             w.add_tensor(name, array)
@@ -270,21 +387,48 @@ def write_tiny_gguf(path, H=32, heads=4, kv=2, D=None, V=64, I=64, L=2, omit=(),
     return path
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(omit=("llama.attention.head_count",)), "GGUF lacks metadata llama.attention.head_count"),
-    (dict(omit=("llama.attention.layer_norm_rms_epsilon",)), "GGUF lacks metadata llama.attention.layer_norm_rms"),
-    (dict(omit=("token_embd.weight",)), "GGUF lacks tensor token_embd.weight"),
-    (dict(metadata={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}),
-     "llama.rope.scaling.type = 'linear' is not supported"),
-    (dict(metadata={"llama.rope.scaling.factor": 4.0}), "llama.rope.scaling.factor = 4.0 is not supported"),
-    (dict(metadata={"llama.rope.dimension_count": 4}), "llama.rope.dimension_count = 4 is not supported"),
-    (dict(tensors={"rope_freqs.weight": np.array([1, 1, 4, 8], np.float32)}), "rope_freqs.weight .* not supported"),
-    (dict(tensors={"blk.0.attn_q.bias": np.zeros(32, np.float32)}), "unsupported tensor blk.0.attn_q.bias"),
-    (dict(tensors={"blk.0.attn_q_norm.weight": np.ones(8, np.float32)}), "unsupported tensor blk.0.attn_q_norm"),
-    (dict(tensors={"mystery": np.ones(8, np.float32)}), "unsupported tensor mystery"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(omit=("llama.attention.head_count",)),
+            "GGUF lacks metadata llama.attention.head_count",
+        ),
+        (
+            dict(omit=("llama.attention.layer_norm_rms_epsilon",)),
+            "GGUF lacks metadata llama.attention.layer_norm_rms",
+        ),
+        (dict(omit=("token_embd.weight",)), "GGUF lacks tensor token_embd.weight"),
+        (
+            dict(metadata={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}),
+            "llama.rope.scaling.type = 'linear' is not supported",
+        ),
+        (
+            dict(metadata={"llama.rope.scaling.factor": 4.0}),
+            "llama.rope.scaling.factor = 4.0 is not supported",
+        ),
+        (
+            dict(metadata={"llama.rope.dimension_count": 4}),
+            "llama.rope.dimension_count = 4 is not supported",
+        ),
+        (
+            dict(tensors={"rope_freqs.weight": np.array([1, 1, 4, 8], np.float32)}),
+            "rope_freqs.weight .* not supported",
+        ),
+        (
+            dict(tensors={"blk.0.attn_q.bias": np.zeros(32, np.float32)}),
+            "unsupported tensor blk.0.attn_q.bias",
+        ),
+        (
+            dict(tensors={"blk.0.attn_q_norm.weight": np.ones(8, np.float32)}),
+            "unsupported tensor blk.0.attn_q_norm",
+        ),
+        (dict(tensors={"mystery": np.ones(8, np.float32)}), "unsupported tensor mystery"),
+    ],
+)
 def test_unsupported_ggufs_are_refused(tmp_path, kwargs, message):
     from workers.loader import read_gguf
+
     path = write_tiny_gguf(tmp_path / "m.gguf", **kwargs)
     with pytest.raises(ValueError, match=f"{path}: .*{message}"):
         read_gguf(path)
@@ -292,6 +436,7 @@ def test_unsupported_ggufs_are_refused(tmp_path, kwargs, message):
 
 def test_truncated_gguf_is_refused(tmp_path):
     from workers.loader import read_gguf
+
     path = write_tiny_gguf(tmp_path / "m.gguf")
     data = path.read_bytes()
     for size in (10, 2000, len(data) // 2, len(data) - 10):
@@ -304,10 +449,18 @@ def test_gguf_head_dim_from_key_length(tmp_path):
     """Heads wider than hidden / heads (llama.attention.key_length) load whole; a rope_freqs.weight of
     ones (plain rope) is skipped."""
     from safetensors.torch import save_file
+
     from workers.loader import read_gguf
-    path = write_tiny_gguf(tmp_path / "m.gguf", H=32, heads=2, kv=2, D=32,
-                           metadata={"llama.attention.key_length": 32, "llama.attention.value_length": 32},
-                           tensors={"rope_freqs.weight": np.ones(16, np.float32)})
+
+    path = write_tiny_gguf(
+        tmp_path / "m.gguf",
+        H=32,
+        heads=2,
+        kv=2,
+        D=32,
+        metadata={"llama.attention.key_length": 32, "llama.attention.value_length": 32},
+        tensors={"rope_freqs.weight": np.ones(16, np.float32)},
+    )
     config, tensors = read_gguf(path)
     assert config["head_dim"] == 32
     model_dir = tmp_path / "converted"
@@ -323,7 +476,9 @@ def test_gguf_head_dim_from_key_length(tmp_path):
 def gguf_cache(tmp_path, monkeypatch):
     """A fresh conversion cache; conversions counted, the tokenizer step a stub (tiny GGUFs have none)."""
     from transformers import AutoTokenizer
+
     from workers import loader
+
     monkeypatch.setenv("EAGLESERVE_CACHE", str(tmp_path / "cache"))
     calls = []
     real = loader.read_gguf
@@ -344,6 +499,7 @@ def gguf_cache(tmp_path, monkeypatch):
 
 def test_gguf_cache_is_keyed_by_path(tmp_path, gguf_cache):
     from workers.loader import resolve_model
+
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     a = write_tiny_gguf(tmp_path / "a" / "model.gguf", H=32)
@@ -357,7 +513,9 @@ def test_gguf_cache_is_keyed_by_path(tmp_path, gguf_cache):
 def test_concurrent_gguf_conversions_convert_once(tmp_path, gguf_cache):
     """Workers resolving one GGUF at once: one converts, the others wait and load its result."""
     from concurrent.futures import ThreadPoolExecutor
+
     from workers.loader import resolve_model
+
     path = write_tiny_gguf(tmp_path / "m.gguf")
     with ThreadPoolExecutor(3) as pool:
         dirs = list(pool.map(lambda _: resolve_model(str(path)), range(3)))
@@ -367,6 +525,7 @@ def test_concurrent_gguf_conversions_convert_once(tmp_path, gguf_cache):
 
 def test_failed_gguf_conversion_leaves_nothing(tmp_path, gguf_cache, monkeypatch):
     from transformers import AutoTokenizer
+
     from workers.loader import resolve_model
 
     def fail(*args, **kwargs):

@@ -1,4 +1,5 @@
 """The Ray execution path: TP worker actors + coordinator, on a local Ray cluster with CPU (gloo)."""
+
 import asyncio
 import queue
 import time
@@ -6,17 +7,21 @@ import time
 import pytest
 import ray
 import torch
+from tiny_models import tiny_llama as _tiny_llama
 
 from speculative.config import EngineConfig, SamplingParams
 from speculative.coordinator import Coordinator, CoordinatorActor
-from speculative.scheduler import RequestError
-from speculative.executor import EngineDeadError
 from speculative.engine import LLMEngine, encode_prompt
-from tiny_models import tiny_llama as _tiny_llama
+from speculative.executor import EngineDeadError
+from speculative.scheduler import RequestError
 from workers.loader import load_tokenizer, resolve_model
 
-QUESTIONS = ["What is 2+2?", "Write a haiku about the sea.", "Name three colors of the rainbow.",
-             "Explain what a prime number is."]
+QUESTIONS = [
+    "What is 2+2?",
+    "Write a haiku about the sea.",
+    "Name three colors of the rainbow.",
+    "Explain what a prime number is.",
+]
 GREEDY = SamplingParams(max_tokens=24)
 
 
@@ -36,8 +41,9 @@ def prompts():
 def run_coordinator(cfg: EngineConfig, prompts, params=GREEDY, key="token_ids"):
     coordinator = CoordinatorActor.remote(cfg)
     try:
-        return [r[key] for r in ray.get(coordinator.generate.remote(prompts, params))], \
-            ray.get(coordinator.stats.remote())
+        return [r[key] for r in ray.get(coordinator.generate.remote(prompts, params))], ray.get(
+            coordinator.stats.remote()
+        )
     finally:
         ray.get(coordinator.shutdown.remote())
         ray.kill(coordinator)
@@ -66,20 +72,29 @@ def test_tp1_overlap_equals_no_overlap(prompts, local_outputs):
 
 
 def test_tp_size_not_dividing_heads_fails_at_start():
-    with pytest.raises(Exception, match=r"tensor-parallel size 2 does not divide .* 9 query and 3 key/value heads"):
+    with pytest.raises(
+        Exception, match=r"tensor-parallel size 2 does not divide .* 9 query and 3 key/value heads"
+    ):
         ray.get(CoordinatorActor.remote(EngineConfig(tp=2, drafter="none")).stats.remote())
 
 
 def test_missing_resources_fail_fast():
     start = time.perf_counter()
-    with pytest.raises(Exception, match=r"needs 6 CPUs on one node; the largest node of this Ray cluster has 4"):
-        ray.get(CoordinatorActor.remote(EngineConfig(tp=6, drafter="none", model=str(_tiny6_dir()))).stats.remote())
+    with pytest.raises(
+        Exception, match=r"needs 6 CPUs on one node; the largest node of this Ray cluster has 4"
+    ):
+        ray.get(
+            CoordinatorActor.remote(
+                EngineConfig(tp=6, drafter="none", model=str(_tiny6_dir()))
+            ).stats.remote()
+        )
     assert time.perf_counter() - start < 30
 
 
 def _tiny6_dir():
     import tempfile
     from pathlib import Path
+
     return _tiny_llama(Path(tempfile.mkdtemp()) / "tiny-h6", heads=6, kv_heads=6, hidden=96)
 
 
@@ -88,14 +103,21 @@ def test_tp2_matches_tp1_on_small_model(tmp_path, prompts):
     model = str(_tiny_llama(tmp_path / "tiny"))
     outputs = {}
     for tp in (1, 2):
-        cfg = EngineConfig(model=model, drafter="default", max_batch_size=4, max_model_len=256, tp=tp)
-        outputs[tp], _ = run_coordinator(cfg, prompts, SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2),
-                                         key="logprobs")
+        cfg = EngineConfig(
+            model=model, drafter="default", max_batch_size=4, max_model_len=256, tp=tp
+        )
+        outputs[tp], _ = run_coordinator(
+            cfg, prompts, SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2), key="logprobs"
+        )
     tokens = {tp: [[t for _, top in o for t, _ in top[:1]] for o in outputs[tp]] for tp in (1, 2)}
     assert tokens[1] == tokens[2]  # greedy: each token is its top one
     assert all(len(o) == 16 and all(len(top) == 2 for _, top in o) for o in outputs[1])
-    torch.testing.assert_close(torch.tensor([[lp for lp, _ in o] for o in outputs[1]]),
-                               torch.tensor([[lp for lp, _ in o] for o in outputs[2]]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        torch.tensor([[lp for lp, _ in o] for o in outputs[1]]),
+        torch.tensor([[lp for lp, _ in o] for o in outputs[2]]),
+        rtol=1e-4,
+        atol=1e-4,
+    )
 
 
 def test_killed_worker_fails_requests_then_engine_restarts(prompts, local_outputs):
@@ -133,7 +155,11 @@ def test_request_ids_callers_and_shutdown(tmp_path):
     request finished (as LLMServer does) leaves a new request with that id alone; a caller whose
     event loop closed does not stop the loop; shutdown ends open requests with an error."""
     model = _tiny_llama(tmp_path / "tiny", layers=2)
-    c = Coordinator(EngineConfig(model=str(model), drafter="none", max_batch_size=2, max_model_len=128, device="cpu"))
+    c = Coordinator(
+        EngineConfig(
+            model=str(model), drafter="none", max_batch_size=2, max_model_len=128, device="cpu"
+        )
+    )
     eight = SamplingParams(max_tokens=8, ignore_eos=True)
     try:
         first = queue.Queue()
@@ -166,11 +192,13 @@ def test_request_ids_callers_and_shutdown(tmp_path):
 class _GroupMember:
     def join(self, rank, port):
         from workers.distributed import init_tp_group
+
         init_tp_group(rank, 2, "127.0.0.1", port, torch.device("cpu"), timeout_s=3)
         return True
 
     def lonely_all_reduce(self):
         import torch.distributed as dist
+
         start = time.perf_counter()
         try:
             dist.all_reduce(torch.ones(1))
@@ -181,9 +209,13 @@ class _GroupMember:
 
 def test_collective_that_never_completes_times_out():
     from workers.distributed import free_port
+
     port = free_port()
     members = [_GroupMember.remote() for _ in range(2)]
-    assert ray.get([m.join.remote(r, port) for r, m in enumerate(members)], timeout=60) == [True, True]
+    assert ray.get([m.join.remote(r, port) for r, m in enumerate(members)], timeout=60) == [
+        True,
+        True,
+    ]
     outcome, seconds = ray.get(members[0].lonely_all_reduce.remote(), timeout=60)
     assert outcome != "completed"
     assert seconds < 30
@@ -194,7 +226,9 @@ def test_collective_that_never_completes_times_out():
 def test_step_failed_survives_the_trip_back():
     """Rank 0 pickles a StepFailed onto the results socket: its step id and message must arrive."""
     import pickle
+
     from workers.worker import StepFailed
+
     error = pickle.loads(pickle.dumps(StepFailed(7, "step 7 failed on rank 0: ValueError: boom")))
     assert (error.step_id, str(error)) == (7, "step 7 failed on rank 0: ValueError: boom")
 
@@ -203,6 +237,7 @@ def test_step_profiler_profiles_the_steps_after_the_first_n(tmp_path, monkeypatc
     """EAGLESERVE_TORCH_PROFILER_DIR makes a worker profile 20 steps and write a trace and a table
     of host ops; unset, there is no profiler."""
     from workers.worker import step_profiler
+
     assert step_profiler() is None
     monkeypatch.setenv("EAGLESERVE_TORCH_PROFILER_DIR", str(tmp_path))
     monkeypatch.setenv("EAGLESERVE_PROFILE_FIRST_STEP", "6")

@@ -1,8 +1,9 @@
 """The Eagle3 resource manager's slot lifecycle, on its own and through ModelRunner plans."""
+
 import pytest
 import torch
-
 from conftest import run_to_completion, tiny_engine, tiny_prompts
+
 from speculative.config import SamplingParams
 from speculative.plan import PrefillRow, StepPlan
 from speculative.resource_manager import Eagle3ResourceManager, SlotError
@@ -10,8 +11,14 @@ from speculative.resource_manager import Eagle3ResourceManager, SlotError
 
 @pytest.fixture
 def manager():
-    return Eagle3ResourceManager(num_slots=4, max_step_tokens=32, feature_dim=12, hidden_size=4,
-                                 dtype=torch.float32, device="cpu")
+    return Eagle3ResourceManager(
+        num_slots=4,
+        max_step_tokens=32,
+        feature_dim=12,
+        hidden_size=4,
+        dtype=torch.float32,
+        device="cpu",
+    )
 
 
 def test_allocate_free_reallocate(manager):
@@ -20,7 +27,7 @@ def test_allocate_free_reallocate(manager):
     manager.check_allocated([0, 1, 2, 3])
     manager.free(2)
     manager.check_allocated([0, 1, 3])
-    manager.allocate(2)   # a freed slot can be taken again
+    manager.allocate(2)  # a freed slot can be taken again
     assert manager.is_allocated == [True] * 4
 
 
@@ -32,7 +39,7 @@ def test_double_allocate_and_double_free(manager):
     with pytest.raises(SlotError, match="double free of slot 1"):
         manager.free(1)
     with pytest.raises(SlotError, match="double free of slot 3"):
-        manager.free(3)   # never taken
+        manager.free(3)  # never taken
 
 
 def test_reading_a_freed_slot_is_refused(manager):
@@ -56,10 +63,13 @@ def test_buffers(manager):
     hidden = torch.arange(8.0).view(2, 4)
     manager.write_hidden(torch.tensor([3, 0]), hidden)
     assert torch.equal(manager.read_hidden(torch.tensor([0, 3])), hidden.flip(0))
-    assert manager.nbytes == (32 * 12 + 5 * 4) * 4   # features + per-slot hidden (with the dummy slot)
+    assert (
+        manager.nbytes == (32 * 12 + 5 * 4) * 4
+    )  # features + per-slot hidden (with the dummy slot)
 
 
 # ---- through the model runner ----
+
 
 @pytest.fixture
 def runner(tiny_dir, tiny_drafter_dir):
@@ -67,17 +77,21 @@ def runner(tiny_dir, tiny_drafter_dir):
 
 
 def prefill(slot, step_id, free=()):
-    return StepPlan(step_id, prefills=[PrefillRow(slot, [1, 2, 3, 4], 0, 0.0, 1.0, 0)], free_slots=list(free),
-                    kv_len=64)
+    return StepPlan(
+        step_id,
+        prefills=[PrefillRow(slot, [1, 2, 3, 4], 0, 0.0, 1.0, 0)],
+        free_slots=list(free),
+        kv_len=64,
+    )
 
 
 def test_runner_refuses_a_plan_reading_a_freed_slot(runner):
     runner.execute(prefill(0, 0)).result()
-    runner.execute(StepPlan(1, decode_slots=[0], kv_len=64)).result()          # slot 0 live: fine
+    runner.execute(StepPlan(1, decode_slots=[0], kv_len=64)).result()  # slot 0 live: fine
     with pytest.raises(SlotError, match="slot 0 is read but not allocated"):
         runner.execute(StepPlan(2, decode_slots=[0], free_slots=[0], kv_len=64))
     with pytest.raises(SlotError, match="slot 1 is read but not allocated"):
-        runner.execute(StepPlan(3, decode_slots=[1], kv_len=64))               # never taken
+        runner.execute(StepPlan(3, decode_slots=[1], kv_len=64))  # never taken
 
 
 def test_runner_refuses_a_double_free(runner):

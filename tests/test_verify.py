@@ -1,12 +1,20 @@
 """Verification and sampling primitives, and the no-host-sync guarantee of a step."""
+
 import pytest
 import torch
+from conftest import run_to_completion, tiny_engine, tiny_prompts
 
 import workers.model_runner
-from conftest import run_to_completion, tiny_engine, tiny_prompts
 from speculative.config import SamplingParams
-from speculative.verify import (ACCEPT_STREAM, SAMPLE_STREAM, sample, target_probs, uniform, verify_greedy,
-                                verify_sampled)
+from speculative.verify import (
+    ACCEPT_STREAM,
+    SAMPLE_STREAM,
+    sample,
+    target_probs,
+    uniform,
+    verify_greedy,
+    verify_sampled,
+)
 from workers.sync_guard import HostSyncError, no_host_sync
 
 
@@ -15,8 +23,12 @@ def test_verify_greedy_accepts_longest_matching_prefix():
     drafts = torch.tensor([[5, 6, 7], [5, 0, 7], [0, 6, 7], [5, 6, 0]])
     tokens, emitted, _ = verify_greedy(target, drafts)
     assert emitted.tolist() == [4, 2, 1, 3]
-    assert [tokens[i, :n].tolist() for i, n in enumerate(emitted.tolist())] == \
-        [[5, 6, 7, 8], [5, 6], [5], [5, 6, 7]]
+    assert [tokens[i, :n].tolist() for i, n in enumerate(emitted.tolist())] == [
+        [5, 6, 7, 8],
+        [5, 6],
+        [5],
+        [5, 6, 7],
+    ]
 
 
 def test_verify_sampled_on_one_hot_is_greedy():
@@ -24,10 +36,15 @@ def test_verify_sampled_on_one_hot_is_greedy():
     the greedy result, for any uniforms."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 4, 10, generator=g)
-    drafts = torch.where(torch.rand(64, 3, generator=g) < 0.6, logits[:, :3].argmax(-1),
-                         torch.randint(0, 10, (64, 3), generator=g))
+    drafts = torch.where(
+        torch.rand(64, 3, generator=g) < 0.6,
+        logits[:, :3].argmax(-1),
+        torch.randint(0, 10, (64, 3), generator=g),
+    )
     probs = target_probs(logits, torch.zeros(64), None, None)
-    tokens, emitted, _ = verify_sampled(probs, drafts, torch.rand(64, 3, generator=g), torch.rand(64, 4, generator=g))
+    tokens, emitted, _ = verify_sampled(
+        probs, drafts, torch.rand(64, 3, generator=g), torch.rand(64, 4, generator=g)
+    )
     g_tokens, g_emitted, _ = verify_greedy(logits.argmax(-1), drafts)
     assert torch.equal(emitted, g_emitted)
     for i, n in enumerate(emitted.tolist()):
@@ -38,18 +55,34 @@ def test_verify_greedy_through_a_sibling():
     """K=3, M=2: nodes 0-3 the chain, 4-6 the first siblings at depths 1-3, 7-9 the second ones."""
     target = torch.tensor([[5, 6, 7, 8, 20, 21, 22, 30, 31, 32]]).expand(6, -1)
     drafts = torch.tensor([[5, 0, 7], [5, 0, 7], [5, 6, 7], [0, 6, 7], [5, 6, 0], [0, 0, 0]])
-    siblings = torch.tensor([[[1, 6, 2], [3, 4, 5]],    # depth 2's first sibling is the target's
-                             [[1, 2, 3], [4, 5, 6]],    # none is
-                             [[1, 2, 3], [4, 5, 6]],    # the chain is all accepted
-                             [[1, 2, 3], [5, 5, 6]],    # depth 1's second sibling
-                             [[9, 9, 9], [9, 9, 7]],    # depth 3's second sibling
-                             [[6, 6, 6], [6, 6, 6]]])   # a sibling equal to another depth's token
+    siblings = torch.tensor(
+        [
+            [[1, 6, 2], [3, 4, 5]],  # depth 2's first sibling is the target's
+            [[1, 2, 3], [4, 5, 6]],  # none is
+            [[1, 2, 3], [4, 5, 6]],  # the chain is all accepted
+            [[1, 2, 3], [5, 5, 6]],  # depth 1's second sibling
+            [[9, 9, 9], [9, 9, 7]],  # depth 3's second sibling
+            [[6, 6, 6], [6, 6, 6]],
+        ]
+    )  # a sibling equal to another depth's token
     tokens, emitted, path = verify_greedy(target, drafts, siblings)
     assert emitted.tolist() == [3, 2, 4, 2, 4, 1]
-    assert [tokens[i, :n].tolist() for i, n in enumerate(emitted.tolist())] == \
-        [[5, 6, 21], [5, 6], [5, 6, 7, 8], [5, 30], [5, 6, 7, 32], [5]]
-    assert [path[i, :n].tolist() for i, n in enumerate(emitted.tolist())] == \
-        [[0, 1, 5], [0, 1], [0, 1, 2, 3], [0, 7], [0, 1, 2, 9], [0]]
+    assert [tokens[i, :n].tolist() for i, n in enumerate(emitted.tolist())] == [
+        [5, 6, 21],
+        [5, 6],
+        [5, 6, 7, 8],
+        [5, 30],
+        [5, 6, 7, 32],
+        [5],
+    ]
+    assert [path[i, :n].tolist() for i, n in enumerate(emitted.tolist())] == [
+        [0, 1, 5],
+        [0, 1],
+        [0, 1, 2, 3],
+        [0, 7],
+        [0, 1, 2, 9],
+        [0],
+    ]
 
 
 def test_verify_sampled_through_siblings_keeps_the_distribution():
@@ -58,7 +91,9 @@ def test_verify_sampled_through_siblings_keeps_the_distribution():
     acceptance (u scaled) must fail the same check."""
     g = torch.Generator().manual_seed(1)
     N, V = 400_000, 6
-    probs = torch.softmax(torch.randn(1, 4, V, generator=g) * 1.5, -1).expand(N, -1, -1)  # nodes: root, a, b, c
+    probs = torch.softmax(torch.randn(1, 4, V, generator=g) * 1.5, -1).expand(
+        N, -1, -1
+    )  # nodes: root, a, b, c
     p0 = probs[0, 0]
     a, b, c = p0.argsort(descending=True)[:3].tolist()
     drafts = torch.full((N, 1), a)
@@ -82,7 +117,9 @@ def test_verify_sampled_through_siblings_keeps_the_distribution():
 
     tokens, emitted, path = run(1.0)
     assert worst_z(tokens, emitted) < 5
-    assert set(path[tokens[:, 0] == b, 1].tolist()) == {2} and set(path[tokens[:, 0] == c, 1].tolist()) == {3}
+    assert set(path[tokens[:, 0] == b, 1].tolist()) == {2} and set(
+        path[tokens[:, 0] == c, 1].tolist()
+    ) == {3}
     assert worst_z(*run(0.7)[:2]) > 8
 
 
@@ -91,8 +128,10 @@ def test_uniform_is_a_counter_based_stream():
     positions = torch.arange(2000).expand(3, -1)
     u = uniform(seeds, positions, SAMPLE_STREAM)
     assert u.min() >= 0 and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.02
-    assert torch.equal(u, uniform(seeds, positions, SAMPLE_STREAM))             # reproducible
-    assert torch.equal(u[1:2], uniform(seeds[1:2], positions[:1], SAMPLE_STREAM))  # batch independent
+    assert torch.equal(u, uniform(seeds, positions, SAMPLE_STREAM))  # reproducible
+    assert torch.equal(
+        u[1:2], uniform(seeds[1:2], positions[:1], SAMPLE_STREAM)
+    )  # batch independent
     assert not torch.equal(u, uniform(seeds, positions, ACCEPT_STREAM))
     assert (u[0] != u[1]).float().mean() > 0.99
 
@@ -100,7 +139,7 @@ def test_uniform_is_a_counter_based_stream():
 def test_sample_inverse_cdf():
     probs = torch.tensor([[0.0, 0.25, 0.0, 0.75]]).expand(1000, -1)
     u = torch.arange(1000) / 1000
-    ids = sample(probs * 3, u)        # unnormalised is fine
+    ids = sample(probs * 3, u)  # unnormalised is fine
     assert set(ids.tolist()) == {1, 3} and (ids == 1).sum().item() == 250
 
 
@@ -108,22 +147,43 @@ def test_sample_inverse_cdf():
 def test_top_k_top_p(tokens_per_row):
     """Top-k, then top-p over the renormalised survivors, per row, for T > 1 as in verification."""
     logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1])).expand(3, tokens_per_row, 4)
-    probs = target_probs(logits, torch.ones(3), torch.tensor([0, 3, 2]), torch.tensor([0.65, 1.0, 0.55]))
-    expected = torch.tensor([[0.4 / 0.7, 0.3 / 0.7, 0, 0],     # top-p 0.65: {0.4, 0.3}
-                             [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0],  # top-k 3
-                             [1.0, 0, 0, 0]])                 # top-k 2 -> (4/7, 3/7); top-p 0.55 keeps one
+    probs = target_probs(
+        logits, torch.ones(3), torch.tensor([0, 3, 2]), torch.tensor([0.65, 1.0, 0.55])
+    )
+    expected = torch.tensor(
+        [
+            [0.4 / 0.7, 0.3 / 0.7, 0, 0],  # top-p 0.65: {0.4, 0.3}
+            [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0],  # top-k 3
+            [1.0, 0, 0, 0],
+        ]
+    )  # top-k 2 -> (4/7, 3/7); top-p 0.55 keeps one
     torch.testing.assert_close(probs, expected.unsqueeze(1).expand(3, tokens_per_row, 4))
 
 
-@pytest.mark.parametrize("min_p, top_p, expected", [
-    (0.45, 1.0, [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0]),  # keeps p >= 0.45 x 0.4
-    (0.6, 1.0, [0.4 / 0.7, 0.3 / 0.7, 0, 0]),
-    (0.3, 0.75, [0.4 / 0.7, 0.3 / 0.7, 0, 0]),         # then top-p over the survivors (first: three kept)
-    (0.0, 1.0, [0.4, 0.3, 0.2, 0.1])])
+@pytest.mark.parametrize(
+    "min_p, top_p, expected",
+    [
+        (0.45, 1.0, [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0]),  # keeps p >= 0.45 x 0.4
+        (0.6, 1.0, [0.4 / 0.7, 0.3 / 0.7, 0, 0]),
+        (
+            0.3,
+            0.75,
+            [0.4 / 0.7, 0.3 / 0.7, 0, 0],
+        ),  # then top-p over the survivors (first: three kept)
+        (0.0, 1.0, [0.4, 0.3, 0.2, 0.1]),
+    ],
+)
 def test_min_p(min_p, top_p, expected):
-    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1])).expand(1, 2, 4) * 2  # temperature 2 first
-    probs = target_probs(logits, torch.full((1,), 2.0), torch.zeros(1, dtype=torch.long), torch.tensor([top_p]),
-                         torch.tensor([min_p]))
+    logits = (
+        torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1])).expand(1, 2, 4) * 2
+    )  # temperature 2 first
+    probs = target_probs(
+        logits,
+        torch.full((1,), 2.0),
+        torch.zeros(1, dtype=torch.long),
+        torch.tensor([top_p]),
+        torch.tensor([min_p]),
+    )
     torch.testing.assert_close(probs, torch.tensor(expected).expand(1, 2, 4))
 
 
@@ -136,30 +196,54 @@ def test_rows_without_top_k_top_p_are_not_cut():
     alone = target_probs(logits[:1], temperature[:1], None, torch.ones(1))
     together = target_probs(logits, temperature, torch.tensor([0, 50]), torch.tensor([1.0, 1.0]))
     assert torch.equal(together[:1], alone) and (together[1] > 0).sum() == 50
-    with_min_p = target_probs(logits, temperature, torch.tensor([0, 0]), torch.tensor([1.0, 1.0]),
-                              torch.tensor([0.0, 0.1]))
+    with_min_p = target_probs(
+        logits,
+        temperature,
+        torch.tensor([0, 0]),
+        torch.tensor([1.0, 1.0]),
+        torch.tensor([0.0, 0.1]),
+    )
     assert torch.equal(with_min_p[:1], alone) and 0 < (with_min_p[1] > 0).sum() < 49152
 
 
 # ---- no host sync inside a step ----
 
+
 def test_guard_catches_host_syncs():
     x = torch.ones(3)
-    for sync in (lambda: x.sum().item(), lambda: x.tolist(), lambda: x.cpu(), lambda: x.numpy(),
-                 lambda: bool(x[0]), lambda: int(x[0]), lambda: float(x[0])):
+    for sync in (
+        lambda: x.sum().item(),
+        lambda: x.tolist(),
+        lambda: x.cpu(),
+        lambda: x.numpy(),
+        lambda: bool(x[0]),
+        lambda: int(x[0]),
+        lambda: float(x[0]),
+    ):
         with pytest.raises(HostSyncError), no_host_sync():
             sync()
     with no_host_sync(enabled=False):
         assert x.sum().item() == 3
-    assert x.tolist() == [1.0, 1.0, 1.0]   # the guard restores the methods
+    assert x.tolist() == [1.0, 1.0, 1.0]  # the guard restores the methods
 
 
-CASES = {"greedy": SamplingParams(max_tokens=12, ignore_eos=True),
-         "sampled": SamplingParams(temperature=0.9, seed=1, max_tokens=12, ignore_eos=True),
-         "top-k-top-p": SamplingParams(temperature=0.7, top_k=8, top_p=0.9, seed=2, max_tokens=12, ignore_eos=True),
-         "min-p-bias-penalties": SamplingParams(temperature=0.8, min_p=0.1, logit_bias={3: 2.0, 40: -1.0}, seed=4,
-                                                frequency_penalty=0.5, presence_penalty=0.3, max_tokens=12,
-                                                ignore_eos=True)}
+CASES = {
+    "greedy": SamplingParams(max_tokens=12, ignore_eos=True),
+    "sampled": SamplingParams(temperature=0.9, seed=1, max_tokens=12, ignore_eos=True),
+    "top-k-top-p": SamplingParams(
+        temperature=0.7, top_k=8, top_p=0.9, seed=2, max_tokens=12, ignore_eos=True
+    ),
+    "min-p-bias-penalties": SamplingParams(
+        temperature=0.8,
+        min_p=0.1,
+        logit_bias={3: 2.0, 40: -1.0},
+        seed=4,
+        frequency_penalty=0.5,
+        presence_penalty=0.3,
+        max_tokens=12,
+        ignore_eos=True,
+    ),
+}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -175,15 +259,27 @@ def test_steps_run_without_host_sync(tiny_dir, tiny_drafter_dir, case, drafts):
     guarded = tiny_engine(tiny_dir, drafter, k=3, max_batch_size=4, draft_siblings=siblings)
     guarded.executor.check_host_sync = True
     out = run_to_completion(guarded, prompts, params, joins)
-    ref = run_to_completion(tiny_engine(tiny_dir, drafter, k=3, max_batch_size=4, draft_siblings=siblings), prompts,
-                            params, joins)
+    ref = run_to_completion(
+        tiny_engine(tiny_dir, drafter, k=3, max_batch_size=4, draft_siblings=siblings),
+        prompts,
+        params,
+        joins,
+    )
     assert [r.output_ids for r in out] == [r.output_ids for r in ref]
     assert all(len(r.output_ids) == 12 for r in out)
 
 
-@pytest.mark.parametrize("function, params", [
-    ("verify_greedy", CASES["greedy"]), ("verify_sampled", CASES["sampled"]), ("sample", CASES["sampled"])])
-def test_guard_catches_a_sync_inside_a_step(tiny_dir, tiny_drafter_dir, monkeypatch, function, params):
+@pytest.mark.parametrize(
+    "function, params",
+    [
+        ("verify_greedy", CASES["greedy"]),
+        ("verify_sampled", CASES["sampled"]),
+        ("sample", CASES["sampled"]),
+    ],
+)
+def test_guard_catches_a_sync_inside_a_step(
+    tiny_dir, tiny_drafter_dir, monkeypatch, function, params
+):
     """A `.item()` slipped into the step (here into verification or sampling) fails the step loudly
     when the guard is on, and goes unnoticed when it is off."""
     original = getattr(workers.model_runner, function)
@@ -194,7 +290,7 @@ def test_guard_catches_a_sync_inside_a_step(tiny_dir, tiny_drafter_dir, monkeypa
 
     monkeypatch.setattr(workers.model_runner, function, syncing)
     engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=2)
-    run_to_completion(engine, tiny_prompts(2), params)         # unguarded: the sync goes unnoticed
+    run_to_completion(engine, tiny_prompts(2), params)  # unguarded: the sync goes unnoticed
     engine.executor.check_host_sync = True
     with pytest.raises(HostSyncError, match=r"Tensor.item\(\)"):
         run_to_completion(engine, tiny_prompts(2), params)

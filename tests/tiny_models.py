@@ -1,4 +1,5 @@
 """Tiny random Llama directories for the Ray and Serve tests (imported, not fixtures)."""
+
 import json
 import shutil
 
@@ -18,18 +19,40 @@ def tiny_llama(path, heads=4, kv_heads=2, layers=6, hidden=64, seed=0, max_posit
     vocab, inter, D = 49152, 128, hidden // heads
     g = torch.Generator().manual_seed(seed)
     w = lambda *s: torch.randn(*s, generator=g) * 0.2  # noqa: E731
-    t = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": torch.ones(hidden),
-         "lm_head.weight": w(vocab, hidden)}
+    t = {
+        "model.embed_tokens.weight": w(vocab, hidden),
+        "model.norm.weight": torch.ones(hidden),
+        "lm_head.weight": w(vocab, hidden),
+    }
     for i in range(layers):
         p = f"model.layers.{i}."
-        t |= {p + "self_attn.q_proj.weight": w(heads * D, hidden), p + "self_attn.k_proj.weight": w(kv_heads * D, hidden),
-              p + "self_attn.v_proj.weight": w(kv_heads * D, hidden), p + "self_attn.o_proj.weight": w(hidden, heads * D),
-              p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
-              p + "mlp.down_proj.weight": w(hidden, inter), p + "input_layernorm.weight": torch.ones(hidden),
-              p + "post_attention_layernorm.weight": torch.ones(hidden)}
+        t |= {
+            p + "self_attn.q_proj.weight": w(heads * D, hidden),
+            p + "self_attn.k_proj.weight": w(kv_heads * D, hidden),
+            p + "self_attn.v_proj.weight": w(kv_heads * D, hidden),
+            p + "self_attn.o_proj.weight": w(hidden, heads * D),
+            p + "mlp.gate_proj.weight": w(inter, hidden),
+            p + "mlp.up_proj.weight": w(inter, hidden),
+            p + "mlp.down_proj.weight": w(hidden, inter),
+            p + "input_layernorm.weight": torch.ones(hidden),
+            p + "post_attention_layernorm.weight": torch.ones(hidden),
+        }
     save_file(t, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps({
-        "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "max_position_embeddings": max_positions, "tie_word_embeddings": False, "eos_token_id": 2}))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "vocab_size": vocab,
+                "hidden_size": hidden,
+                "intermediate_size": inter,
+                "num_hidden_layers": layers,
+                "num_attention_heads": heads,
+                "num_key_value_heads": kv_heads,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0,
+                "max_position_embeddings": max_positions,
+                "tie_word_embeddings": False,
+                "eos_token_id": 2,
+            }
+        )
+    )
     return path

@@ -17,6 +17,7 @@ together, and keys and values are gathered together. The attention itself runs o
 per row and for prefills, and for a few tokens per row (the verify pass) while batch x heads fits
 in one wave over the SMs; past that, folding packs the rows better and is up to 3x faster.
 """
+
 import functools
 import os
 from dataclasses import dataclass
@@ -31,11 +32,12 @@ from workers.layers import ColumnParallelLinear, Rotary, RowParallelLinear, tp_r
 @dataclass
 class ForwardBatch:
     """Per-forward metadata (device tensors, except kv_len). B rows, T tokens per row."""
-    slots: torch.Tensor            # [B] cache slot of each row
-    positions: torch.Tensor        # [B, T] position of each token (pads: any valid position)
-    write_slots: torch.Tensor      # [B, T] slot to write K/V into (pads: the dummy slot)
+
+    slots: torch.Tensor  # [B] cache slot of each row
+    positions: torch.Tensor  # [B, T] position of each token (pads: any valid position)
+    write_slots: torch.Tensor  # [B, T] slot to write K/V into (pads: the dummy slot)
     write_positions: torch.Tensor  # [B, T] row to write into, clamped to the cache length
-    kv_len: int                    # cache rows read per slot (>= every position + 1)
+    kv_len: int  # cache rows read per slot (>= every position + 1)
     # a draft tree (speculative/draft_tree.py): token i of a row is node i, written at row
     # write_positions[:, 0] + i, and sees the cache before the root and the nodes tree[i] marks
     tree: torch.Tensor | None = None  # [T, T] bool
@@ -45,6 +47,7 @@ class ForwardBatch:
 class AttentionInputs:
     """What every layer of one forward shares: RoPE tables [B, T, 1, D] and the additive mask,
     [B, 1, T, S] for GQA or [B, 1, T * group, S] folded (a row per token and query head of a group)."""
+
     cos: torch.Tensor
     sin: torch.Tensor
     bias: torch.Tensor
@@ -56,19 +59,32 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def use_gqa(device: torch.device, dtype: torch.dtype, batch_size: int, tokens: int, heads: int,
-            head_dim: int) -> bool:
+def use_gqa(
+    device: torch.device,
+    dtype: torch.dtype,
+    batch_size: int,
+    tokens: int,
+    heads: int,
+    head_dim: int,
+) -> bool:
     """Whether cuDNN's GQA attention runs this shape, and faster than folding (sdpa_probe.py).
     Anything cuDNN cannot run would fall back to the math kernel, many times slower: fold instead.
     EAGLESERVE_GQA=0 always folds (for A/B runs)."""
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or head_dim > 128 or head_dim % 8 or \
-            not torch.backends.cuda.cudnn_sdp_enabled() or os.environ.get("EAGLESERVE_GQA") == "0":
+    if (
+        device.type != "cuda"
+        or dtype not in (torch.bfloat16, torch.float16)
+        or head_dim > 128
+        or head_dim % 8
+        or not torch.backends.cuda.cudnn_sdp_enabled()
+        or os.environ.get("EAGLESERVE_GQA") == "0"
+    ):
         return False
     return tokens == 1 or tokens >= 64 or batch_size * heads <= _num_sms(device)
 
 
-def attention_inputs(batch: ForwardBatch, attn: "CachedAttention", dtype: torch.dtype,
-                     gqa: bool | None = None) -> AttentionInputs:
+def attention_inputs(
+    batch: ForwardBatch, attn: "CachedAttention", dtype: torch.dtype, gqa: bool | None = None
+) -> AttentionInputs:
     cos, sin = attn.rotary.tables(batch.positions, dtype)
     B, T = batch.positions.shape
     device = batch.positions.device
@@ -76,54 +92,87 @@ def attention_inputs(batch: ForwardBatch, attn: "CachedAttention", dtype: torch.
         gqa = use_gqa(device, dtype, B, T, attn.heads, attn.head_dim)
     key_pos = torch.arange(batch.kv_len, device=device)
     if batch.tree is None:
-        hidden_keys = key_pos.view(1, 1, -1) > batch.positions.unsqueeze(-1)      # [B, T, S]
+        hidden_keys = key_pos.view(1, 1, -1) > batch.positions.unsqueeze(-1)  # [B, T, S]
     else:
-        node = key_pos.view(1, -1) - batch.write_positions[:, :1]                 # [B, S] key row's node
+        node = key_pos.view(1, -1) - batch.write_positions[:, :1]  # [B, S] key row's node
         in_tree = (node >= 0) & (node < T)
-        sees = batch.tree[:, node.clamp(0, T - 1)].transpose(0, 1)                # [B, T, S]
+        sees = batch.tree[:, node.clamp(0, T - 1)].transpose(0, 1)  # [B, T, S]
         hidden_keys = (node >= 0).unsqueeze(1) & ~(sees & in_tree.unsqueeze(1))
-    bias = torch.zeros(hidden_keys.shape, dtype=dtype, device=device).masked_fill_(hidden_keys, float("-inf"))
-    bias = bias.unsqueeze(1)                                                      # [B, 1, T, S]
+    bias = torch.zeros(hidden_keys.shape, dtype=dtype, device=device).masked_fill_(
+        hidden_keys, float("-inf")
+    )
+    bias = bias.unsqueeze(1)  # [B, 1, T, S]
     if not gqa:
         group = attn.heads // attn.kv_heads
-        bias = bias.unsqueeze(3).expand(B, 1, T, group, batch.kv_len).reshape(B, 1, T * group, batch.kv_len)
+        bias = (
+            bias.unsqueeze(3)
+            .expand(B, 1, T, group, batch.kv_len)
+            .reshape(B, 1, T * group, batch.kv_len)
+        )
     return AttentionInputs(cos, sin, bias, gqa)
 
 
-def allocate_kv_cache(num_layers: int, num_slots: int, max_len: int, kv_heads: int, head_dim: int,
-                      dtype: torch.dtype, device) -> torch.Tensor:
+def allocate_kv_cache(
+    num_layers: int,
+    num_slots: int,
+    max_len: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device,
+) -> torch.Tensor:
     # [layers, 2 (k, v), slots + dummy, max_len, kv_heads, head_dim]
-    return torch.zeros(num_layers, 2, num_slots + 1, max_len, kv_heads, head_dim, dtype=dtype, device=device)
+    return torch.zeros(
+        num_layers, 2, num_slots + 1, max_len, kv_heads, head_dim, dtype=dtype, device=device
+    )
 
 
 class CachedAttention(nn.Module):
-    def __init__(self, in_features: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 rotary: Rotary, group=None):
+    def __init__(
+        self,
+        in_features: int,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: Rotary,
+        group=None,
+    ):
         super().__init__()
         _, tp = tp_rank_size(group)
         if num_heads % tp or num_kv_heads % tp:
-            raise ValueError(f"tensor-parallel size {tp} must divide the attention heads "
-                             f"({num_heads} query, {num_kv_heads} key/value)")
+            raise ValueError(
+                f"tensor-parallel size {tp} must divide the attention heads "
+                f"({num_heads} query, {num_kv_heads} key/value)"
+            )
         self.heads, self.kv_heads, self.head_dim = num_heads // tp, num_kv_heads // tp, head_dim
         self.qkv_proj = ColumnParallelLinear(
-            in_features, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], group)
+            in_features,
+            [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+            group,
+        )
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, group)
         self.rotary = rotary
         self.cache: torch.Tensor | None = None  # [2, slots + 1, max_len, kv_heads, head_dim]
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, inputs: AttentionInputs) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, inputs: AttentionInputs
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(B, T, H + 2 * KV, D)
-        qk = self.rotary.apply(qkv[:, :, :H + KV], inputs.cos, inputs.sin)
+        qk = self.rotary.apply(qkv[:, :, : H + KV], inputs.cos, inputs.sin)
         self.cache[0].index_put_((batch.write_slots, batch.write_positions), qk[:, :, H:])
-        self.cache[1].index_put_((batch.write_slots, batch.write_positions), qkv[:, :, H + KV:])
-        kv = self.cache[:, batch.slots, :batch.kv_len].transpose(2, 3)           # [2, B, KV, S, D]
+        self.cache[1].index_put_((batch.write_slots, batch.write_positions), qkv[:, :, H + KV :])
+        kv = self.cache[:, batch.slots, : batch.kv_len].transpose(2, 3)  # [2, B, KV, S, D]
         if inputs.gqa:
-            out = F.scaled_dot_product_attention(qk[:, :, :H].transpose(1, 2), kv[0], kv[1], attn_mask=inputs.bias,
-                                                 enable_gqa=True)                 # [B, H, T, D]
+            out = F.scaled_dot_product_attention(
+                qk[:, :, :H].transpose(1, 2), kv[0], kv[1], attn_mask=inputs.bias, enable_gqa=True
+            )  # [B, H, T, D]
             return self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))
         group = H // KV
         q = qk[:, :, :H].reshape(B, T, KV, group, D).transpose(1, 2).reshape(B, KV, T * group, D)
-        out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=inputs.bias)  # [B, KV, T * group, D]
+        out = F.scaled_dot_product_attention(
+            q, kv[0], kv[1], attn_mask=inputs.bias
+        )  # [B, KV, T * group, D]
         return self.o_proj(out.reshape(B, KV, T, group * D).transpose(1, 2).reshape(B, T, H * D))

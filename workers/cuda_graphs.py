@@ -5,6 +5,7 @@ inputs, each per row [batch] or per token [batch, length bucket], reads and writ
 fixed-address state (KV caches, slot state, the resource manager), and returns per-row outputs.
 Replaying copies the real rows into the static inputs (the rest get the input's pad value),
 replays, and returns views of the first rows of the static outputs."""
+
 from dataclasses import dataclass
 
 import torch
@@ -29,26 +30,45 @@ class GraphInput:
 
 
 class StepGraphs:
-    def __init__(self, fn, max_batch: int, lengths: list[int], dummy_slot: int, inputs: list[GraphInput],
-                 device, max_tokens: int | None = None):
+    def __init__(
+        self,
+        fn,
+        max_batch: int,
+        lengths: list[int],
+        dummy_slot: int,
+        inputs: list[GraphInput],
+        device,
+        max_tokens: int | None = None,
+    ):
         self.fn, self.dummy_slot, self.device = fn, dummy_slot, device
         self.pool = None  # a memory pool shared with graphs captured before (set by the caller)
         self.batch_buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
         self.lengths = lengths
         self.inputs = inputs
         self.max_tokens = max_tokens  # skip buckets of more than batch x length tokens
-        self.graphs: dict[tuple[int, int], tuple[list[torch.Tensor], tuple, torch.cuda.CUDAGraph]] = {}
+        self.graphs: dict[
+            tuple[int, int], tuple[list[torch.Tensor], tuple, torch.cuda.CUDAGraph]
+        ] = {}
 
     def capture_all(self) -> None:
-        for batch in reversed(self.batch_buckets):  # largest first: later graphs reuse its pool memory
+        for batch in reversed(
+            self.batch_buckets
+        ):  # largest first: later graphs reuse its pool memory
             for length in reversed(self.lengths):
                 if self.max_tokens is None or batch * length <= self.max_tokens:
                     self._capture(batch, length)
 
     def _capture(self, batch: int, length: int) -> None:
         inputs = [torch.full((batch,), self.dummy_slot, dtype=torch.long, device=self.device)]
-        inputs += [torch.full((batch, length) if spec.per_token else (batch,), spec.pad, dtype=spec.dtype,
-                              device=self.device) for spec in self.inputs]
+        inputs += [
+            torch.full(
+                (batch, length) if spec.per_token else (batch,),
+                spec.pad,
+                dtype=spec.dtype,
+                device=self.device,
+            )
+            for spec in self.inputs
+        ]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm up lazily initialised kernels outside the capture

@@ -1,4 +1,5 @@
 """Which device and dtype a run uses."""
+
 import torch
 
 

@@ -3,6 +3,7 @@
 Each parallel layer owns only its shard and knows how to cut that shard out of a full
 checkpoint tensor (`load_full`), so loaders never need to know about sharding.
 """
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -19,7 +20,9 @@ def check_shape(full: torch.Tensor, expected, what: str) -> None:
     """Every `load_full` checks the whole (unsharded) tensor first: narrow() and copy_() would
     silently drop extra rows or columns and broadcast a size-1 tensor."""
     if tuple(full.shape) != tuple(expected):
-        raise ValueError(f"{what} has shape {list(full.shape)}, but config.json implies {list(expected)}")
+        raise ValueError(
+            f"{what} has shape {list(full.shape)}, but config.json implies {list(expected)}"
+        )
 
 
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -45,18 +48,26 @@ class ColumnParallelLinear(nn.Module):
         self.rank, self.tp = tp_rank_size(group)
         for size in output_sizes:
             if size % self.tp:
-                raise ValueError(f"output size {size} is not divisible by tensor-parallel size {self.tp}")
+                raise ValueError(
+                    f"output size {size} is not divisible by tensor-parallel size {self.tp}"
+                )
         self.output_sizes = [s // self.tp for s in output_sizes]
-        self.weight = nn.Parameter(torch.empty(sum(self.output_sizes), in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(sum(self.output_sizes)), requires_grad=False) if bias else None
+        self.weight = nn.Parameter(
+            torch.empty(sum(self.output_sizes), in_features), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.zeros(sum(self.output_sizes)), requires_grad=False) if bias else None
+        )
 
-    def load_full(self, full: torch.Tensor, index: int = 0, name: str = "weight", what: str = "tensor") -> None:
+    def load_full(
+        self, full: torch.Tensor, index: int = 0, name: str = "weight", what: str = "tensor"
+    ) -> None:
         """Copy this rank's slice of sub-matrix `index` out of the full tensor."""
         local = self.output_sizes[index]
         start = sum(self.output_sizes[:index])
         param = getattr(self, name)
         check_shape(full, (local * self.tp, *param.shape[1:]), what)
-        param.data[start:start + local].copy_(full.narrow(0, self.rank * local, local))
+        param.data[start : start + local].copy_(full.narrow(0, self.rank * local, local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -69,12 +80,16 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.rank, self.tp = tp_rank_size(group)
         if in_features % self.tp:
-            raise ValueError(f"input size {in_features} is not divisible by tensor-parallel size {self.tp}")
+            raise ValueError(
+                f"input size {in_features} is not divisible by tensor-parallel size {self.tp}"
+            )
         self.group = group
         self.in_local = in_features // self.tp
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local), requires_grad=False)
 
-    def load_full(self, full: torch.Tensor, index: int = 0, name: str = "weight", what: str = "tensor") -> None:
+    def load_full(
+        self, full: torch.Tensor, index: int = 0, name: str = "weight", what: str = "tensor"
+    ) -> None:
         check_shape(full, (self.weight.shape[0], self.in_local * self.tp), what)
         self.weight.data.copy_(full.narrow(1, self.rank * self.in_local, self.in_local))
 
@@ -87,7 +102,9 @@ class ReplicatedLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
 
-    def load_full(self, full: torch.Tensor, index: int = 0, name: str = "weight", what: str = "tensor") -> None:
+    def load_full(
+        self, full: torch.Tensor, index: int = 0, name: str = "weight", what: str = "tensor"
+    ) -> None:
         check_shape(full, self.weight.shape, what)
         self.weight.data.copy_(full)
 
@@ -107,10 +124,12 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = self.rank * self.vocab_local
         self.weight = nn.Parameter(torch.zeros(self.vocab_local, dim), requires_grad=False)
 
-    def load_full(self, full: torch.Tensor, index: int = 0, name: str = "weight", what: str = "tensor") -> None:
+    def load_full(
+        self, full: torch.Tensor, index: int = 0, name: str = "weight", what: str = "tensor"
+    ) -> None:
         check_shape(full, (self.vocab_size, self.weight.shape[1]), what)
-        rows = full[self.vocab_start:self.vocab_start + self.vocab_local]
-        self.weight.data[:rows.shape[0]].copy_(rows)
+        rows = full[self.vocab_start : self.vocab_start + self.vocab_local]
+        self.weight.data[: rows.shape[0]].copy_(rows)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
@@ -126,7 +145,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.weight)
-        return all_gather_last_dim(logits, self.group)[..., :self.vocab_size]
+        return all_gather_last_dim(logits, self.group)[..., : self.vocab_size]
 
 
 class RMSNorm(nn.Module):
@@ -135,7 +154,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
-    def load_full(self, full: torch.Tensor, index: int = 0, name: str = "weight", what: str = "tensor") -> None:
+    def load_full(
+        self, full: torch.Tensor, index: int = 0, name: str = "weight", what: str = "tensor"
+    ) -> None:
         check_shape(full, self.weight.shape, what)
         self.weight.data.copy_(full)
 
@@ -154,13 +175,17 @@ class Rotary(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         sin = emb.sin()
-        sin[:, :head_dim // 2] *= -1
+        sin[:, : head_dim // 2] *= -1
         self.register_buffer("cos", emb.cos(), persistent=False)  # [max_positions, head_dim]
         self.register_buffer("sin", sin, persistent=False)
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> cos, signed sin [B, T, 1, D]: computed once per forward, used by every layer."""
-        return self.cos[positions].unsqueeze(2).to(dtype), self.sin[positions].unsqueeze(2).to(dtype)
+        return self.cos[positions].unsqueeze(2).to(dtype), self.sin[positions].unsqueeze(2).to(
+            dtype
+        )
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

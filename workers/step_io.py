@@ -1,6 +1,7 @@
 """A step's host-device traffic: its inputs built in pinned host tensors and copied to the device
 together, non-blocking; its results copied back asynchronously into pinned host memory, with an
 event that the rank-0 sender thread waits on (DESIGN: the overlap scheduler)."""
+
 import time
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ from speculative.plan import StepPlan, StepResult
 @dataclass
 class StepOutput:
     """Results on their way to the host: an async copy into (pinned) host memory plus an event."""
+
     step_id: int
     tokens: torch.Tensor
     num_emitted: torch.Tensor
@@ -30,9 +32,23 @@ class StepOutput:
             self.event.synchronize()
             device_s = self.start_event.elapsed_time(self.event) / 1000
         logprobs = [t.numpy() for t in self.logprobs] if self.logprobs is not None else [None] * 3
-        prompt = tuple(t.numpy() for t in self.prompt_logprobs) if self.prompt_logprobs is not None else None
-        return StepResult(self.step_id, self.tokens.numpy(), self.num_emitted.numpy(), self.execute_s, device_s,
-                          self.received_at, self.launched_at, time.time(), *logprobs, prompt)
+        prompt = (
+            tuple(t.numpy() for t in self.prompt_logprobs)
+            if self.prompt_logprobs is not None
+            else None
+        )
+        return StepResult(
+            self.step_id,
+            self.tokens.numpy(),
+            self.num_emitted.numpy(),
+            self.execute_s,
+            device_s,
+            self.received_at,
+            self.launched_at,
+            time.time(),
+            *logprobs,
+            prompt,
+        )
 
 
 def prepare_inputs(plan: StepPlan, device: torch.device) -> dict[str, torch.Tensor]:
@@ -42,7 +58,7 @@ def prepare_inputs(plan: StepPlan, device: torch.device) -> dict[str, torch.Tens
         T = max(len(p.token_ids) for p in plan.prefills)
         ids = torch.zeros(len(plan.prefills), T, dtype=torch.long)
         for i, p in enumerate(plan.prefills):
-            ids[i, :len(p.token_ids)] = torch.tensor(p.token_ids)
+            ids[i, : len(p.token_ids)] = torch.tensor(p.token_ids)
         host["prefill_ids"] = ids
         host["prefill_lens"] = torch.tensor([len(p.token_ids) for p in plan.prefills])
         host["prefill_slots"] = torch.tensor([p.slot for p in plan.prefills])
@@ -51,28 +67,53 @@ def prepare_inputs(plan: StepPlan, device: torch.device) -> dict[str, torch.Tens
         host["prefill_top_p"] = torch.tensor([p.top_p for p in plan.prefills])
         host["prefill_top_k"] = torch.tensor([p.top_k for p in plan.prefills])
         host["prefill_min_p"] = torch.tensor([p.min_p for p in plan.prefills])
-        host["prefill_frequency_penalty"] = torch.tensor([p.frequency_penalty for p in plan.prefills])
+        host["prefill_frequency_penalty"] = torch.tensor(
+            [p.frequency_penalty for p in plan.prefills]
+        )
         host["prefill_presence_penalty"] = torch.tensor([p.presence_penalty for p in plan.prefills])
-        host["prefill_repetition_penalty"] = torch.tensor([p.repetition_penalty for p in plan.prefills])
-        host["prefill_prior_output_tokens"] = torch.tensor([p.prior_output_tokens for p in plan.prefills])
-        if plan.use_logit_bias:  # as [rows, MAX_LOGIT_BIAS] ids and values, padded with token 0 and bias 0
-            host["prefill_bias_ids"] = torch.zeros(len(plan.prefills), MAX_LOGIT_BIAS, dtype=torch.long)
+        host["prefill_repetition_penalty"] = torch.tensor(
+            [p.repetition_penalty for p in plan.prefills]
+        )
+        host["prefill_prior_output_tokens"] = torch.tensor(
+            [p.prior_output_tokens for p in plan.prefills]
+        )
+        if (
+            plan.use_logit_bias
+        ):  # as [rows, MAX_LOGIT_BIAS] ids and values, padded with token 0 and bias 0
+            host["prefill_bias_ids"] = torch.zeros(
+                len(plan.prefills), MAX_LOGIT_BIAS, dtype=torch.long
+            )
             host["prefill_bias_values"] = torch.zeros(len(plan.prefills), MAX_LOGIT_BIAS)
             for i, p in enumerate(plan.prefills):
-                host["prefill_bias_ids"][i, :len(p.logit_bias)] = torch.tensor(list(p.logit_bias), dtype=torch.long)
-                host["prefill_bias_values"][i, :len(p.logit_bias)] = torch.tensor(list(p.logit_bias.values()))
+                host["prefill_bias_ids"][i, : len(p.logit_bias)] = torch.tensor(
+                    list(p.logit_bias), dtype=torch.long
+                )
+                host["prefill_bias_values"][i, : len(p.logit_bias)] = torch.tensor(
+                    list(p.logit_bias.values())
+                )
         if plan.use_min_tokens:  # [rows, MAX_STOP_IDS] padded with -1
             host["prefill_stops_from"] = torch.tensor([p.stops_from for p in plan.prefills])
-            host["prefill_stop_ids"] = torch.full((len(plan.prefills), MAX_STOP_IDS), -1, dtype=torch.long)
+            host["prefill_stop_ids"] = torch.full(
+                (len(plan.prefills), MAX_STOP_IDS), -1, dtype=torch.long
+            )
             for i, p in enumerate(plan.prefills):
-                host["prefill_stop_ids"][i, :len(p.stop_ids)] = torch.tensor(p.stop_ids, dtype=torch.long)
+                host["prefill_stop_ids"][i, : len(p.stop_ids)] = torch.tensor(
+                    p.stop_ids, dtype=torch.long
+                )
     pin = device.type == "cuda"
-    return {k: (v.pin_memory() if pin else v).to(device, non_blocking=True) for k, v in host.items()}
+    return {
+        k: (v.pin_memory() if pin else v).to(device, non_blocking=True) for k, v in host.items()
+    }
 
 
-def send_back(step_id: int, tokens: torch.Tensor, num_emitted: torch.Tensor, execute_s: float,
-              logprobs: tuple[torch.Tensor, ...] | None = None,
-              prompt_logprobs: tuple[torch.Tensor, ...] | None = None) -> StepOutput:
+def send_back(
+    step_id: int,
+    tokens: torch.Tensor,
+    num_emitted: torch.Tensor,
+    execute_s: float,
+    logprobs: tuple[torch.Tensor, ...] | None = None,
+    prompt_logprobs: tuple[torch.Tensor, ...] | None = None,
+) -> StepOutput:
     cuda = tokens.device.type == "cuda"
 
     def to_host(t: torch.Tensor) -> torch.Tensor:
@@ -80,7 +121,10 @@ def send_back(step_id: int, tokens: torch.Tensor, num_emitted: torch.Tensor, exe
             return t.clone()
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         return host.copy_(t, non_blocking=True)
-    logprobs, prompt_logprobs = (tuple(map(to_host, x)) if x is not None else None for x in (logprobs, prompt_logprobs))
+
+    logprobs, prompt_logprobs = (
+        tuple(map(to_host, x)) if x is not None else None for x in (logprobs, prompt_logprobs)
+    )
     tokens_host, emitted_host = to_host(tokens), to_host(num_emitted)
     event = None
     if cuda:
@@ -88,4 +132,6 @@ def send_back(step_id: int, tokens: torch.Tensor, num_emitted: torch.Tensor, exe
         # slows every kernel launch of the next step in the main thread by 3-4x (measured on the H200).
         event = torch.cuda.Event(enable_timing=True, blocking=True)
         event.record()
-    return StepOutput(step_id, tokens_host, emitted_host, event, execute_s, logprobs, prompt_logprobs)
+    return StepOutput(
+        step_id, tokens_host, emitted_host, event, execute_s, logprobs, prompt_logprobs
+    )

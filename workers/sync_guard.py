@@ -3,6 +3,7 @@
 On CPU there is no stream to sync, so the guard patches the tensor methods that would force one
 on a GPU (`.item()`, `.cpu()`, `.tolist()`, `.numpy()`, truth tests). On CUDA it also turns on
 `torch.cuda.set_sync_debug_mode("error")`."""
+
 import contextlib
 
 import torch
@@ -25,6 +26,7 @@ def no_host_sync(enabled: bool = True):
     def refuse(name):
         def method(self, *args, **kwargs):
             raise HostSyncError(f"Tensor.{name}() inside a speculative step forces a host sync")
+
         return method
 
     for name in _PATCHED:

@@ -1,4 +1,5 @@
 """Drafter training configuration (pydantic, extra fields forbidden), saved beside the output."""
+
 from pathlib import Path
 from typing import Literal
 
@@ -7,15 +8,18 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 class DistillConfig(BaseModel):
     """Self-distillation: the target regenerates responses to training prompts."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    prompt_files: list[str] = Field(default_factory=list)  # JSONL(.gz) rows with "prompt" or "question"
-    num_prompts: int = Field(8192, ge=1)         # over all passes
+    prompt_files: list[str] = Field(
+        default_factory=list
+    )  # JSONL(.gz) rows with "prompt" or "question"
+    num_prompts: int = Field(8192, ge=1)  # over all passes
     # passes over the prompt order; every response after the first pass is sampled (at
     # `temperature`): more data from the same prompts, where a greedy pass would repeat the first
     num_passes: int = Field(1, ge=1)
-    max_prompt_len: int = Field(1024, ge=8)     # longer prompts are skipped
-    max_tokens: int = Field(320, ge=1)          # response tokens per prompt
+    max_prompt_len: int = Field(1024, ge=8)  # longer prompts are skipped
+    max_tokens: int = Field(320, ge=1)  # response tokens per prompt
     sampled_fraction: float = Field(0.5, ge=0.0, le=1.0)  # the rest is greedy
     temperature: float = Field(0.7, gt=0.0, le=2.0)
     max_batch_size: int = Field(256, ge=1, le=1024)
@@ -37,7 +41,9 @@ class DistillConfig(BaseModel):
     @model_validator(mode="after")
     def _one_pass_to_keep_prompts(self):
         if self.keep_undistilled_prompts and self.num_passes > 1:
-            raise ValueError("keep_undistilled_prompts would keep each prompt once per pass: use num_passes 1")
+            raise ValueError(
+                "keep_undistilled_prompts would keep each prompt once per pass: use num_passes 1"
+            )
         return self
 
 
@@ -45,33 +51,39 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = "smollm2-135m"
-    output: str                                  # exported drafter directory
-    data: str | None = None                      # directory of self-distilled parts; default: OUTPUT.data
-    checkpoint: str | None = None                # periodic checkpoints; default: OUTPUT.ckpt
+    output: str  # exported drafter directory
+    data: str | None = None  # directory of self-distilled parts; default: OUTPUT.data
+    checkpoint: str | None = None  # periodic checkpoints; default: OUTPUT.ckpt
     # train further from this drafter instead of a fresh one: its weights, and its head rows for the
     # tokens that the new draft vocabulary (picked from the data) also holds
     init_from: str | None = None
     distill: DistillConfig = DistillConfig()
     draft_vocab_size: int = Field(4096, ge=2)
-    ttt_steps: int = Field(5, ge=1, le=16)       # unrolled draft steps (K at inference <= this)
+    ttt_steps: int = Field(5, ge=1, le=16)  # unrolled draft steps (K at inference <= this)
     step_decay: float = Field(0.8, gt=0.0, le=1.0)  # loss weight of step j is decay**j
-    prompt_loss_weight: float = Field(0.0, ge=0.0, le=1.0)  # loss weight of prompt positions (responses: 1)
+    prompt_loss_weight: float = Field(
+        0.0, ge=0.0, le=1.0
+    )  # loss weight of prompt positions (responses: 1)
     lr: float = Field(6e-4, gt=0.0)
     min_lr_ratio: float = Field(0.05, ge=0.0, le=1.0)
     warmup_steps: int = Field(50, ge=0)
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float = Field(0.5, gt=0.0)
     max_steps: int = Field(2000, ge=1)
-    batch_tokens: int = Field(32768, ge=16)      # padded tokens per batch
-    max_seq_len: int = Field(1536, ge=8, le=4096)  # longer sequences are cut (4096: the trainer's rotary tables)
+    batch_tokens: int = Field(32768, ge=16)  # padded tokens per batch
+    max_seq_len: int = Field(
+        1536, ge=8, le=4096
+    )  # longer sequences are cut (4096: the trainer's rotary tables)
     checkpoint_every: int = Field(200, ge=1)
     time_limit_s: float | None = Field(None, gt=0)  # checkpoint and stop after this (resume later)
-    fit_steps_to_time: bool = False              # shrink max_steps so the LR schedule ends in time
+    fit_steps_to_time: bool = False  # shrink max_steps so the LR schedule ends in time
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # of the frozen target and autocast
     # int8: 2-D weights as int8 with a scale per row (drafter.quantize_int8), to fit a size cap
     export_dtype: Literal["float32", "bfloat16", "int8"] = "bfloat16"
-    export_shard_mb: float | None = Field(None, gt=0)  # split the exported weights into files of at most this
+    export_shard_mb: float | None = Field(
+        None, gt=0
+    )  # split the exported weights into files of at most this
     seed: int = 0
 
     @property

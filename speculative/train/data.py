@@ -6,6 +6,7 @@ The data directory holds the distilled sequences in parts (part-00000.safetensor
 sequence per prompt of the distillation order, in that order. A distillation run continues the
 order after the prompts the parts already hold, so jobs of a few minutes each (the H200 machine's
 limit) grow one dataset, and each part stays small enough to travel between machines."""
+
 import itertools
 import random
 import time
@@ -24,15 +25,15 @@ from speculative.train.config import DistillConfig
 
 @dataclass
 class TokenStore:
-    tokens: np.ndarray       # [num_tokens] int32, sequences back to back
-    offsets: np.ndarray      # [num_seqs + 1] int64
+    tokens: np.ndarray  # [num_tokens] int32, sequences back to back
+    offsets: np.ndarray  # [num_seqs + 1] int64
     prompt_lens: np.ndarray  # [num_seqs] int32
 
     def __len__(self) -> int:
         return len(self.prompt_lens)
 
     def seq(self, i: int) -> np.ndarray:
-        return self.tokens[self.offsets[i]:self.offsets[i + 1]]
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
 
     @property
     def lengths(self) -> np.ndarray:
@@ -42,7 +43,11 @@ class TokenStore:
     def from_lists(cls, seqs: list[list[int]], prompt_lens: list[int]) -> "TokenStore":
         lens = np.array([len(s) for s in seqs], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-        flat = np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs]) if seqs else np.zeros(0, np.int32)
+        flat = (
+            np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs])
+            if seqs
+            else np.zeros(0, np.int32)
+        )
         return cls(flat, offsets, np.asarray(prompt_lens, dtype=np.int32))
 
     @classmethod
@@ -50,21 +55,32 @@ class TokenStore:
         offsets = [np.zeros(1, np.int64)]
         for store in stores:
             offsets.append(store.offsets[1:] + offsets[-1][-1])
-        return cls(np.concatenate([s.tokens for s in stores] + [np.zeros(0, np.int32)]), np.concatenate(offsets),
-                   np.concatenate([s.prompt_lens for s in stores] + [np.zeros(0, np.int32)]))
+        return cls(
+            np.concatenate([s.tokens for s in stores] + [np.zeros(0, np.int32)]),
+            np.concatenate(offsets),
+            np.concatenate([s.prompt_lens for s in stores] + [np.zeros(0, np.int32)]),
+        )
 
     def slice(self, start: int, end: int) -> "TokenStore":
-        offsets = self.offsets[start:end + 1]
-        return TokenStore(self.tokens[offsets[0]:offsets[-1]], offsets - offsets[0], self.prompt_lens[start:end])
+        offsets = self.offsets[start : end + 1]
+        return TokenStore(
+            self.tokens[offsets[0] : offsets[-1]], offsets - offsets[0], self.prompt_lens[start:end]
+        )
 
     def save(self, path: Path) -> None:
         """uint16 tokens when the vocabulary fits (half the bytes: parts travel between machines).
         Written under another name and renamed: a killed write leaves no part cut short."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tokens = self.tokens.astype(np.uint16) if self.tokens.size and self.tokens.max() < 2**16 else self.tokens
+        tokens = (
+            self.tokens.astype(np.uint16)
+            if self.tokens.size and self.tokens.max() < 2**16
+            else self.tokens
+        )
         tmp = path.with_name(path.name + ".tmp")
-        save_file({"tokens": tokens, "offsets": self.offsets, "prompt_lens": self.prompt_lens}, str(tmp))
+        save_file(
+            {"tokens": tokens, "offsets": self.offsets, "prompt_lens": self.prompt_lens}, str(tmp)
+        )
         tmp.rename(path)
 
     @classmethod
@@ -73,8 +89,10 @@ class TokenStore:
             t = load_file(str(path))
             return cls(t["tokens"].astype(np.int32), t["offsets"], t["prompt_lens"])
         except (SafetensorError, KeyError) as e:
-            raise ValueError(f"data part {path} is unreadable ({e}): cut short by a killed copy? Copy it "
-                             "again, or delete it and the parts after it and distil them again") from e
+            raise ValueError(
+                f"data part {path} is unreadable ({e}): cut short by a killed copy? Copy it "
+                "again, or delete it and the parts after it and distil them again"
+            ) from e
 
 
 # 12 MB in uint16: a file that comes back from the H200 machine may have at most 16 MiB
@@ -90,14 +108,22 @@ def load_data(directory: Path) -> TokenStore:
     parts = data_parts(directory)
     if not parts:
         raise FileNotFoundError(f"no self-distilled data (part-*.safetensors) in {directory}")
-    missing = sorted({f"part-{i:05d}.safetensors" for i in range(len(parts))} - {p.name for p in parts})
-    if missing:  # the parts hold the order's prompts in turn: without one, the rest are off by its size
-        raise ValueError(f"data directory {directory} lacks {', '.join(missing)} before "
-                         f"{parts[-1].name}: restore the parts, or move those after the gap away")
+    missing = sorted(
+        {f"part-{i:05d}.safetensors" for i in range(len(parts))} - {p.name for p in parts}
+    )
+    if (
+        missing
+    ):  # the parts hold the order's prompts in turn: without one, the rest are off by its size
+        raise ValueError(
+            f"data directory {directory} lacks {', '.join(missing)} before "
+            f"{parts[-1].name}: restore the parts, or move those after the gap away"
+        )
     return TokenStore.concat([TokenStore.load(p) for p in parts])
 
 
-def save_parts(directory: Path, store: TokenStore, max_part_tokens: int = MAX_PART_TOKENS) -> list[Path]:
+def save_parts(
+    directory: Path, store: TokenStore, max_part_tokens: int = MAX_PART_TOKENS
+) -> list[Path]:
     """Append `store` to the directory as parts of at most `max_part_tokens` tokens each."""
     parts = data_parts(directory)
     index = int(parts[-1].stem.removeprefix("part-")) + 1 if parts else 0
@@ -133,22 +159,42 @@ def distill_order(cfg: DistillConfig, tokenizer, skip: int = 0):
     its place in the order only, so jobs that continue each other give what one job would."""
     from speculative.config import SamplingParams
     from speculative.engine import encode_chats
+
     texts = prompt_order(read_prompts(cfg.prompt_files), cfg)
     chunk = 4 * cfg.max_batch_size
 
     def encoded():  # a chunk at a time: the fast tokenizer encodes a batch in parallel
         for start in range(0, len(texts), chunk):
-            yield from encode_chats(tokenizer, [[{"role": "user", "content": t}] for t in texts[start:start + chunk]])
-    passes = ((p, k, ids) for p in range(cfg.num_passes)
-              for k, ids in enumerate(length_sorted_chunks(encoded(), chunk, cfg.max_prompt_len)))
+            yield from encode_chats(
+                tokenizer, [[{"role": "user", "content": t}] for t in texts[start : start + chunk]]
+            )
+
+    passes = (
+        (p, k, ids)
+        for p in range(cfg.num_passes)
+        for k, ids in enumerate(length_sorted_chunks(encoded(), chunk, cfg.max_prompt_len))
+    )
 
     def order():
         greedy = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens)
         for p, k, ids in itertools.islice(passes, skip, None):
-            rng = random.Random(f"{cfg.seed}/{p}/{k}")  # a str seed: hashed the same in every process
+            rng = random.Random(
+                f"{cfg.seed}/{p}/{k}"
+            )  # a str seed: hashed the same in every process
             sampled = rng.random() < cfg.sampled_fraction or p > 0
-            yield ids, (SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                       seed=rng.randrange(2**31)) if sampled else greedy)
+            yield (
+                ids,
+                (
+                    SamplingParams(
+                        temperature=cfg.temperature,
+                        max_tokens=cfg.max_tokens,
+                        seed=rng.randrange(2**31),
+                    )
+                    if sampled
+                    else greedy
+                ),
+            )
+
     return max(min(cfg.num_prompts, len(texts) * cfg.num_passes) - skip, 0), order()
 
 
@@ -172,7 +218,9 @@ def generate_in_waves(engine, jobs):
     prefill runs eager and costs as much as many graphed decode steps, so one prefill per finished
     request would make the generation several times slower."""
     eos = engine.tokenizer.eos_token_id
-    engine.scheduler.tokenizer = None  # no detokenizing: nothing reads the text, and it costs host time
+    engine.scheduler.tokenizer = (
+        None  # no detokenizing: nothing reads the text, and it costs host time
+    )
     num_slots, running, is_admitting = engine.executor.num_slots, {}, True
     while is_admitting or engine.has_work:
         num_busy = engine.scheduler.num_waiting + engine.scheduler.num_running
@@ -188,7 +236,11 @@ def generate_in_waves(engine, jobs):
         for out in engine.step():
             if out.finish_reason is not None:
                 key, r = running.pop(out.request_id)
-                yield key, r.prompt_ids, r.output_ids + ([eos] if r.finish_reason == "stop" and eos is not None else [])
+                yield (
+                    key,
+                    r.prompt_ids,
+                    r.output_ids + ([eos] if r.finish_reason == "stop" and eos is not None else []),
+                )
 
 
 def self_distill(engine, cfg: DistillConfig, skip: int = 0) -> TokenStore:
@@ -196,9 +248,15 @@ def self_distill(engine, cfg: DistillConfig, skip: int = 0) -> TokenStore:
     the distillation order after the first `skip` (those earlier runs covered), until the time limit
     stops admission. Every prompt taken, distilled or kept undistilled, becomes one sequence, in order."""
     total, order = distill_order(cfg, engine.tokenizer, skip)
-    results = tqdm(generate_in_waves(engine, distill_jobs(order, total, cfg.time_limit_s)), total=total,
-                   desc="self-distillation", unit="seq")
-    return _distilled_store({key: (prompt, response) for key, prompt, response in results}, order, cfg)
+    results = tqdm(
+        generate_in_waves(engine, distill_jobs(order, total, cfg.time_limit_s)),
+        total=total,
+        desc="self-distillation",
+        unit="seq",
+    )
+    return _distilled_store(
+        {key: (prompt, response) for key, prompt, response in results}, order, cfg
+    )
 
 
 def self_distill_in_processes(engine_cfg, cfg: DistillConfig, skip: int = 0) -> TokenStore:
@@ -208,11 +266,15 @@ def self_distill_in_processes(engine_cfg, cfg: DistillConfig, skip: int = 0) -> 
     admission, the prompts taken are the order's first ones."""
     import multiprocessing
     import threading
+
     from workers.loader import load_tokenizer, resolve_model
+
     ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
     jobs, results = ctx.Queue(maxsize=cfg.max_batch_size), ctx.Queue()
-    workers = [ctx.Process(target=_distill_worker, args=(engine_cfg, jobs, results), daemon=True)
-               for _ in range(cfg.num_workers)]
+    workers = [
+        ctx.Process(target=_distill_worker, args=(engine_cfg, jobs, results), daemon=True)
+        for _ in range(cfg.num_workers)
+    ]
     for w in workers:
         w.start()
     finished = False
@@ -226,10 +288,13 @@ def self_distill_in_processes(engine_cfg, cfg: DistillConfig, skip: int = 0) -> 
                 jobs.put(job)
             for _ in workers:
                 jobs.put(None)
+
         feeder = threading.Thread(target=feed, daemon=True)
         feeder.start()
         done, num_finished = {}, 0
-        with tqdm(total=total, desc=f"self-distillation ({len(workers)} processes)", unit="seq") as bar:
+        with tqdm(
+            total=total, desc=f"self-distillation ({len(workers)} processes)", unit="seq"
+        ) as bar:
             while num_finished < len(workers):
                 result = _next_result(results, workers)
                 if result == "done":
@@ -249,6 +314,7 @@ def self_distill_in_processes(engine_cfg, cfg: DistillConfig, skip: int = 0) -> 
 
 def _distill_worker(engine_cfg, jobs, results) -> None:
     from speculative.engine import LLMEngine
+
     engine = LLMEngine(engine_cfg)
     results.put("ready")
     for result in generate_in_waves(engine, iter(jobs.get, None)):
@@ -258,12 +324,15 @@ def _distill_worker(engine_cfg, jobs, results) -> None:
 
 def _next_result(results, workers):
     import queue
+
     while True:
         try:
             return results.get(timeout=5)
         except queue.Empty:
             if any(w.exitcode not in (None, 0) for w in workers):
-                raise RuntimeError("a self-distillation process died (its traceback is above)") from None
+                raise RuntimeError(
+                    "a self-distillation process died (its traceback is above)"
+                ) from None
 
 
 def _distilled_store(done: dict, order, cfg: DistillConfig) -> TokenStore:
@@ -283,7 +352,9 @@ def prompt_order(texts: list[str], cfg: DistillConfig) -> list[str]:
     texts = list(texts)
     random.Random(cfg.seed).shuffle(texts)
     if cfg.long_prompts_first_chars:
-        texts.sort(key=lambda t: len(t) < cfg.long_prompts_first_chars)  # stable: each group stays shuffled
+        texts.sort(
+            key=lambda t: len(t) < cfg.long_prompts_first_chars
+        )  # stable: each group stays shuffled
     return texts
 
 
@@ -296,11 +367,12 @@ def length_sorted_chunks(encoded, chunk: int, max_len: int):
         yield from sorted(part, key=len)
 
 
-def draft_vocab(store: TokenStore, vocab_size: int, draft_vocab_size: int,
-                always: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, float]:
+def draft_vocab(
+    store: TokenStore, vocab_size: int, draft_vocab_size: int, always: tuple[int, ...] = ()
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """The most frequent response tokens -> (d2t [Vd] int64 offsets, t2d [V] bool, coverage).
     Draft ids keep the target order, so target id = draft id + d2t[draft id]."""
-    responses = [store.seq(i)[store.prompt_lens[i]:] for i in range(len(store))]
+    responses = [store.seq(i)[store.prompt_lens[i] :] for i in range(len(store))]
     counts = np.bincount(np.concatenate(responses + [np.zeros(0, np.int32)]), minlength=vocab_size)
     priority = counts.copy()
     priority[list(always)] = counts.max() + 1
@@ -323,7 +395,9 @@ def padded_len(n, multiple: int = PAD_MULTIPLE):
     return -(-n // multiple) * multiple
 
 
-def batches(store: TokenStore, batch_tokens: int, max_seq_len: int, seed: int, epoch: int) -> list[list[int]]:
+def batches(
+    store: TokenStore, batch_tokens: int, max_seq_len: int, seed: int, epoch: int
+) -> list[list[int]]:
     """Length-bucketed batches of sequence indices, each at most `batch_tokens` padded tokens (rows
     padded as `collate` pads them), in a shuffled order that depends only on (seed, epoch), so a
     resumed run sees the same batches."""
@@ -344,14 +418,20 @@ def batches(store: TokenStore, batch_tokens: int, max_seq_len: int, seed: int, e
     return out
 
 
-def collate(store: TokenStore, indices: list[int], max_seq_len: int, multiple: int = PAD_MULTIPLE, pad_id: int = 0):
+def collate(
+    store: TokenStore,
+    indices: list[int],
+    max_seq_len: int,
+    multiple: int = PAD_MULTIPLE,
+    pad_id: int = 0,
+):
     """-> ids [B, T] int64 with T padded to `multiple`, lengths [B], prompt_lens [B] (sequences cut
     to max_seq_len)."""
     seqs = [store.seq(i)[:max_seq_len] for i in indices]
     T = padded_len(max(len(s) for s in seqs), multiple)
     ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
     for row, s in enumerate(seqs):
-        ids[row, :len(s)] = torch.from_numpy(s.astype(np.int64))
+        ids[row, : len(s)] = torch.from_numpy(s.astype(np.int64))
     lengths = torch.tensor([len(s) for s in seqs])
     prompt_lens = torch.tensor([int(store.prompt_lens[i]) for i in indices])
     return ids, lengths, prompt_lens

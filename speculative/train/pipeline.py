@@ -1,5 +1,6 @@
 """`eagleserve train-drafter`: self-distill the data (when there is none, or more with
 `distill_only`), then train and export the drafter."""
+
 import gc
 import logging
 import time
@@ -8,8 +9,14 @@ from pathlib import Path
 import torch
 
 from speculative.train.config import TrainConfig
-from speculative.train.data import (TokenStore, data_parts, load_data, save_parts, self_distill,
-                                    self_distill_in_processes)
+from speculative.train.data import (
+    TokenStore,
+    data_parts,
+    load_data,
+    save_parts,
+    self_distill,
+    self_distill_in_processes,
+)
 from speculative.train.trainer import check_config, train
 
 log = logging.getLogger(__name__)
@@ -20,15 +27,23 @@ def distill(cfg: TrainConfig) -> TokenStore:
     prompts that the parts already in the data directory cover."""
     from speculative.config import EngineConfig
     from speculative.engine import LLMEngine
+
     d = cfg.distill
     if not d.prompt_files:
-        raise ValueError(f"no self-distilled data in {cfg.data_dir} and no prompt files to generate it from")
+        raise ValueError(
+            f"no self-distilled data in {cfg.data_dir} and no prompt files to generate it from"
+        )
     skip = d.skip_prompts + (len(load_data(cfg.data_dir)) if data_parts(cfg.data_dir) else 0)
     max_len = d.max_prompt_len + d.max_tokens + 1
     engine_cfg = EngineConfig(
-        model=cfg.model, drafter="none", device=cfg.device, max_batch_size=d.max_batch_size,
+        model=cfg.model,
+        drafter="none",
+        device=cfg.device,
+        max_batch_size=d.max_batch_size,
         # the runner pads a prefill batch to its longest prompt: budget for the padded size
-        max_model_len=max_len, max_num_batched_tokens=max(max_len, d.max_batch_size * d.max_prompt_len))
+        max_model_len=max_len,
+        max_num_batched_tokens=max(max_len, d.max_batch_size * d.max_prompt_len),
+    )
     start = time.perf_counter()  # the engines' start counts: it is part of every job's time
     if d.num_workers > 1:
         store = self_distill_in_processes(engine_cfg, d, skip)
@@ -38,9 +53,16 @@ def distill(cfg: TrainConfig) -> TokenStore:
         del engine
     seconds = time.perf_counter() - start
     num_response = int(store.lengths.sum() - store.prompt_lens.sum())
-    log.info("self-distillation in %d process(es): %d sequences after the %d prompts of earlier parts, %d response "
-             "tokens in %.0f s with the engines' start (%.0f tokens/s)", d.num_workers, len(store), skip,
-             num_response, seconds, num_response / max(seconds, 1e-9))
+    log.info(
+        "self-distillation in %d process(es): %d sequences after the %d prompts of earlier parts, %d response "
+        "tokens in %.0f s with the engines' start (%.0f tokens/s)",
+        d.num_workers,
+        len(store),
+        skip,
+        num_response,
+        seconds,
+        num_response / max(seconds, 1e-9),
+    )
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -60,8 +82,11 @@ def train_drafter(cfg: TrainConfig, distill_only: bool = False) -> dict:
             log.warning("no prompts left to distil after the ones %s covers", cfg.data_dir)
     if distill_only:
         data = load_data(cfg.data_dir)
-        return {"num_parts": len(data_parts(cfg.data_dir)), "num_sequences": len(data),
-                "num_response_tokens": int(data.lengths.sum() - data.prompt_lens.sum())}
+        return {
+            "num_parts": len(data_parts(cfg.data_dir)),
+            "num_sequences": len(data),
+            "num_response_tokens": int(data.lengths.sum() - data.prompt_lens.sum()),
+        }
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     (out / "training_config.json").write_text(cfg.model_dump_json(indent=2))

@@ -1,5 +1,6 @@
 """The frozen target over whole sequences, without a KV cache: aux features and the target's
 distribution over the draft vocabulary, recomputed for every training batch (never stored)."""
+
 import torch
 import torch.nn.functional as F
 
@@ -7,14 +8,20 @@ from workers.attention import CachedAttention
 from workers.llama import Llama
 
 
-def _causal_attention(attn: CachedAttention, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def _causal_attention(
+    attn: CachedAttention, x: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
     B, T, _ = x.shape
     D = attn.head_dim
     q, k, v = attn.qkv_proj(x).split([attn.heads * D, attn.kv_heads * D, attn.kv_heads * D], dim=-1)
-    q = attn.rotary(q.view(B, T, attn.heads, D), positions).transpose(1, 2)      # [B, heads, T, D]
-    k = attn.rotary(k.view(B, T, attn.kv_heads, D), positions).transpose(1, 2)   # [B, kv_heads, T, D]
+    q = attn.rotary(q.view(B, T, attn.heads, D), positions).transpose(1, 2)  # [B, heads, T, D]
+    k = attn.rotary(k.view(B, T, attn.kv_heads, D), positions).transpose(
+        1, 2
+    )  # [B, kv_heads, T, D]
     v = v.view(B, T, attn.kv_heads, D).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=attn.heads != attn.kv_heads)
+    out = F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=attn.heads != attn.kv_heads
+    )
     return attn.o_proj(out.transpose(1, 2).reshape(B, T, attn.heads * D))
 
 
@@ -35,8 +42,9 @@ def target_features(model: Llama, ids: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 @torch.no_grad()
-def target_draft_probs(model: Llama, hidden: torch.Tensor, draft_to_target: torch.Tensor,
-                       chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+def target_draft_probs(
+    model: Llama, hidden: torch.Tensor, draft_to_target: torch.Tensor, chunk: int = 8192
+) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [N, H] -> (probs [N, Vd] float32: the target's distribution renormalised over the
     draft vocabulary, is_in_draft [N]: whether the target's full-vocab argmax is a draft token).
     Positions whose argmax is outside the draft vocabulary cannot be drafted; training skips them."""
@@ -45,7 +53,7 @@ def target_draft_probs(model: Llama, hidden: torch.Tensor, draft_to_target: torc
     in_draft[draft_to_target] = True
     probs, is_in_draft = [], []
     for part in hidden.split(chunk):  # full-vocab logits only a chunk at a time
-        logits = F.linear(part, weight)                              # [n, V]
+        logits = F.linear(part, weight)  # [n, V]
         is_in_draft.append(in_draft[logits.argmax(-1)])
         probs.append(torch.softmax(logits[:, draft_to_target].float(), dim=-1))
     return torch.cat(probs), torch.cat(is_in_draft)

@@ -1,6 +1,7 @@
 """The drafter training loop: frozen target recomputed per batch, TTT loss, AdamW with warmup and
 cosine decay, periodic checkpoints (a standard fp32 drafter directory + optimizer state in
 safetensors + JSON metadata, no pickle), resume, and export in the standard EAGLE-3 format."""
+
 import json
 import logging
 import math
@@ -14,22 +15,34 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from speculative.drafter import (DrafterConfig, Eagle3Drafter, drafter_config_for, drafter_state_dict,
-                                 load_drafter, quantize_int8, random_drafter_state, save_drafter)
+from speculative.drafter import (
+    DrafterConfig,
+    Eagle3Drafter,
+    drafter_config_for,
+    drafter_state_dict,
+    load_drafter,
+    quantize_int8,
+    random_drafter_state,
+    save_drafter,
+)
 from speculative.train.config import TrainConfig
 from speculative.train.data import TokenStore, batches, collate, draft_vocab, load_data
 from speculative.train.target import target_draft_probs, target_features
 from speculative.train.ttt import loss_rows, ttt_forward, ttt_loss
+from workers.device import pick_device, pick_dtype
 from workers.layers import VocabParallelEmbedding
 from workers.llama import Llama, LlamaConfig
 from workers.loader import load_config, load_target_weights, resolve_model
-from workers.device import pick_device, pick_dtype
 
 log = logging.getLogger(__name__)
 
 
-def load_target(model: str, device: torch.device, dtype: torch.dtype,
-                aux_layer_ids: tuple[int, ...] | None = None) -> Llama:
+def load_target(
+    model: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    aux_layer_ids: tuple[int, ...] | None = None,
+) -> Llama:
     """The frozen target, capturing `aux_layer_ids` (those of the drafter it trains; None: the default)."""
     model_dir = resolve_model(model)
     target = Llama(LlamaConfig.from_hf(load_config(model_dir)), aux_layer_ids=aux_layer_ids)
@@ -42,21 +55,29 @@ def load_source(path: str, target_cfg: LlamaConfig, target_embeddings=None) -> E
     target. Without the target's embeddings (the check before distilling), a stand-in without storage."""
     if target_embeddings is None:
         with torch.device("meta"):
-            target_embeddings = VocabParallelEmbedding(target_cfg.vocab_size, target_cfg.hidden_size)
+            target_embeddings = VocabParallelEmbedding(
+                target_cfg.vocab_size, target_cfg.hidden_size
+            )
     try:
         source = load_drafter(Path(path), target_embeddings=target_embeddings)
     except (OSError, KeyError, RuntimeError, ValueError, SafetensorError) as e:
         raise ValueError(f"init_from {path} is not a usable drafter: {e}") from e
-    aux = source.cfg.aux_layer_ids or target_cfg.default_aux_layer_ids()  # load_drafter checked the rest
+    aux = (
+        source.cfg.aux_layer_ids or target_cfg.default_aux_layer_ids()
+    )  # load_drafter checked the rest
     if max(aux) >= target_cfg.num_hidden_layers:
-        raise ValueError(f"init_from {path} reads aux layers {aux}; the target has {target_cfg.num_hidden_layers}")
+        raise ValueError(
+            f"init_from {path} reads aux layers {aux}; the target has {target_cfg.num_hidden_layers}"
+        )
     return source
 
 
 def checkpoint_state(ckpt: Path) -> dict | None:
     """The trainer state of the checkpoint in `ckpt`, None when there is none."""
     tmp = ckpt.with_name(ckpt.name + ".tmp")
-    if not ckpt.exists() and (tmp / "trainer_state.json").is_file():  # killed between save_checkpoint's renames
+    if (
+        not ckpt.exists() and (tmp / "trainer_state.json").is_file()
+    ):  # killed between save_checkpoint's renames
         tmp.rename(ckpt)
     try:
         return json.loads((ckpt / "trainer_state.json").read_text())
@@ -70,13 +91,17 @@ def check_config(cfg: TrainConfig) -> None:
     """The errors of a training config that would otherwise show only after distilling."""
     target_cfg = LlamaConfig.from_hf(load_config(resolve_model(cfg.model)))
     if cfg.draft_vocab_size > target_cfg.vocab_size:
-        raise ValueError(f"draft_vocab_size {cfg.draft_vocab_size} is larger than the vocabulary of "
-                         f"{cfg.model} ({target_cfg.vocab_size} tokens)")
+        raise ValueError(
+            f"draft_vocab_size {cfg.draft_vocab_size} is larger than the vocabulary of "
+            f"{cfg.model} ({target_cfg.vocab_size} tokens)"
+        )
     if cfg.init_from:
         if checkpoint_state(cfg.checkpoint_dir):
-            raise ValueError(f"{cfg.checkpoint_dir} holds a checkpoint to resume, which init_from would not "
-                             f"start from: delete {cfg.checkpoint_dir} to start from {cfg.init_from}, or leave "
-                             "init_from out to resume")
+            raise ValueError(
+                f"{cfg.checkpoint_dir} holds a checkpoint to resume, which init_from would not "
+                f"start from: delete {cfg.checkpoint_dir} to start from {cfg.init_from}, or leave "
+                "init_from out to resume"
+            )
         load_source(cfg.init_from, target_cfg)
 
 
@@ -98,10 +123,15 @@ def init_drafter(cfg: TrainConfig, target: Llama, store: TokenStore, path: Path)
     else:
         source = load_source(cfg.init_from, target.cfg, target.embed_tokens)
         if (source.cfg.aux_layer_ids or target.cfg.default_aux_layer_ids()) != target.aux_layer_ids:
-            raise ValueError(f"init_from {cfg.init_from} reads aux layers {source.cfg.aux_layer_ids}, the target "
-                             f"captures {target.aux_layer_ids}: build it with load_target(..., aux_layer_ids)")
+            raise ValueError(
+                f"init_from {cfg.init_from} reads aux layers {source.cfg.aux_layer_ids}, the target "
+                f"captures {target.aux_layer_ids}: build it with load_target(..., aux_layer_ids)"
+            )
         dcfg = replace(source.cfg, draft_vocab_size=cfg.draft_vocab_size)
-        state = {n: t.float() if t.is_floating_point() else t for n, t in drafter_state_dict(source).items()}
+        state = {
+            n: t.float() if t.is_floating_point() else t
+            for n, t in drafter_state_dict(source).items()
+        }
         source_head = state.pop("lm_head.weight")
         source_ids = torch.arange(source.cfg.draft_vocab_size) + source.d2t.cpu()
         # The target's rows as they are start far from the trained ones (SmolLM2, 8192 -> 24576
@@ -109,19 +139,36 @@ def init_drafter(cfg: TrainConfig, target: Llama, store: TokenStore, path: Path)
         # the target's rows of the source's tokens to the source's rows brings them along (0.65;
         # benchmarks/init_from_probe.py).
         if len(source_ids) < 2 * (source_head.shape[1] + 1):
-            log.warning("init_from %s has %d draft tokens, few for fitting the map of %d-wide head rows: the "
-                        "rows of new tokens may start poorly", cfg.init_from, len(source_ids), source_head.shape[1])
-        target_rows = target.lm_head.weight[source_ids.to(target.lm_head.weight.device)].float().cpu()
-        head = _append_ones(head) @ torch.linalg.lstsq(_append_ones(target_rows), source_head).solution
+            log.warning(
+                "init_from %s has %d draft tokens, few for fitting the map of %d-wide head rows: the "
+                "rows of new tokens may start poorly",
+                cfg.init_from,
+                len(source_ids),
+                source_head.shape[1],
+            )
+        target_rows = (
+            target.lm_head.weight[source_ids.to(target.lm_head.weight.device)].float().cpu()
+        )
+        head = (
+            _append_ones(head) @ torch.linalg.lstsq(_append_ones(target_rows), source_head).solution
+        )
         row = torch.full((target.cfg.vocab_size,), -1)
         row[draft_to_target] = torch.arange(cfg.draft_vocab_size)
         source_rows = row[source_ids]
         shared = source_rows >= 0
         head[source_rows[shared]] = source_head[shared]
-        log.info("from %s: %d of %d draft tokens keep its head rows", cfg.init_from, int(shared.sum()),
-                 cfg.draft_vocab_size)
+        log.info(
+            "from %s: %d of %d draft tokens keep its head rows",
+            cfg.init_from,
+            int(shared.sum()),
+            cfg.draft_vocab_size,
+        )
     state.update({"lm_head.weight": head, "d2t": d2t, "t2d": t2d})
-    log.info("draft vocabulary of %d tokens covers %.1f%% of response tokens", cfg.draft_vocab_size, 100 * coverage)
+    log.info(
+        "draft vocabulary of %d tokens covers %.1f%% of response tokens",
+        cfg.draft_vocab_size,
+        100 * coverage,
+    )
     save_drafter(path, dcfg, state)
     (path / "vocab_coverage.json").write_text(json.dumps({"coverage": coverage}))
     return load_drafter(path, target_embeddings=target.embed_tokens)
@@ -131,8 +178,9 @@ def _append_ones(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([rows, torch.ones(len(rows), 1)], dim=1)
 
 
-def save_checkpoint(path: Path, drafter: Eagle3Drafter, optimizer, step: int, metrics: dict,
-                    max_steps: int) -> None:
+def save_checkpoint(
+    path: Path, drafter: Eagle3Drafter, optimizer, step: int, metrics: dict, max_steps: int
+) -> None:
     """Written whole beside `path` (trainer_state.json last), then swapped in by renames: a run killed
     at any point leaves the previous checkpoint or this one (`checkpoint_state` completes the swap)."""
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
@@ -145,11 +193,15 @@ def save_checkpoint(path: Path, drafter: Eagle3Drafter, optimizer, step: int, me
     for group in optimizer.param_groups:
         for p in group["params"]:
             for key, value in optimizer.state.get(p, {}).items():
-                tensors[f"{names[id(p)]}.{key}"] = value.detach().float().reshape(-1).cpu().contiguous()
+                tensors[f"{names[id(p)]}.{key}"] = (
+                    value.detach().float().reshape(-1).cpu().contiguous()
+                )
     # its own folder: load_drafter reads every *.safetensors beside config.json
     (tmp / "optimizer").mkdir()
     save_file(tensors, str(tmp / "optimizer" / "optimizer.safetensors"))
-    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "max_steps": max_steps, "metrics": metrics}, indent=2))
+    (tmp / "trainer_state.json").write_text(
+        json.dumps({"step": step, "max_steps": max_steps, "metrics": metrics}, indent=2)
+    )
     shutil.rmtree(old, ignore_errors=True)
     if path.exists():
         path.rename(old)
@@ -160,8 +212,10 @@ def save_checkpoint(path: Path, drafter: Eagle3Drafter, optimizer, step: int, me
 def load_checkpoint(ckpt: Path, target: Llama) -> tuple[Eagle3Drafter, dict[str, torch.Tensor]]:
     """The checkpoint's drafter and optimizer tensors."""
     try:
-        return (load_drafter(ckpt, target_embeddings=target.embed_tokens),
-                load_file(str(ckpt / "optimizer" / "optimizer.safetensors")))
+        return (
+            load_drafter(ckpt, target_embeddings=target.embed_tokens),
+            load_file(str(ckpt / "optimizer" / "optimizer.safetensors")),
+        )
     except (OSError, KeyError, RuntimeError, ValueError, SafetensorError) as e:
         raise _unreadable(ckpt, e) from e
 
@@ -170,32 +224,44 @@ def _unreadable(ckpt: Path, e: Exception) -> ValueError:
     return ValueError(f"checkpoint {ckpt} is unreadable ({e}): delete it to start over")
 
 
-def load_optimizer_state(tensors: dict[str, torch.Tensor], drafter: Eagle3Drafter, optimizer) -> None:
+def load_optimizer_state(
+    tensors: dict[str, torch.Tensor], drafter: Eagle3Drafter, optimizer
+) -> None:
     for name, p in drafter.named_parameters():
         if p.requires_grad and f"{name}.exp_avg" in tensors:
             optimizer.state[p] = {
                 "step": tensors[f"{name}.step"].reshape(()).clone(),
                 "exp_avg": tensors[f"{name}.exp_avg"].view_as(p).to(p.device),
-                "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].view_as(p).to(p.device)}
+                "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].view_as(p).to(p.device),
+            }
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(cfg.max_steps - cfg.warmup_steps, 1)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+    return cfg.lr * (
+        cfg.min_lr_ratio
+        + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    )
 
 
-def train_step(cfg: TrainConfig, target: Llama, drafter: Eagle3Drafter, draft_to_target, batch, device, dtype):
+def train_step(
+    cfg: TrainConfig, target: Llama, drafter: Eagle3Drafter, draft_to_target, batch, device, dtype
+):
     ids, lengths, prompt_lens = batch
-    rows, row_weight = loss_rows(lengths, prompt_lens, ids.shape[1], cfg.prompt_loss_weight)  # host: no GPU sync
+    rows, row_weight = loss_rows(
+        lengths, prompt_lens, ids.shape[1], cfg.prompt_loss_weight
+    )  # host: no GPU sync
     ids, rows, row_weight = (x.to(device, non_blocking=True) for x in (ids, rows, row_weight))
-    hidden, aux = target_features(target, ids)                    # [B, T, H], [B, T, 3H]
+    hidden, aux = target_features(target, ids)  # [B, T, H], [B, T, 3H]
     # row t learns the target's distribution at t+1, inside the sequence as x[t+2] exists
     probs, is_in_draft = target_draft_probs(target, hidden.flatten(0, 1)[rows + 1], draft_to_target)
     with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
         hiddens = ttt_forward(drafter, ids, aux, cfg.ttt_steps)
-        return ttt_loss(hiddens, drafter.lm_head, probs, is_in_draft, rows, row_weight, cfg.step_decay)
+        return ttt_loss(
+            hiddens, drafter.lm_head, probs, is_in_draft, rows, row_weight, cfg.step_decay
+        )
 
 
 def batch_stream(cfg: TrainConfig, store: TokenStore, skip: int):
@@ -216,7 +282,9 @@ def _setup(cfg: TrainConfig, device, dtype):
     state = checkpoint_state(ckpt)
     # the target captures the aux layers of the drafter it trains (those inference captures for it)
     drafter_dir = ckpt if state else cfg.init_from
-    aux = DrafterConfig.from_hf(load_config(Path(drafter_dir))).aux_layer_ids if drafter_dir else None
+    aux = (
+        DrafterConfig.from_hf(load_config(Path(drafter_dir))).aux_layer_ids if drafter_dir else None
+    )
     target = load_target(cfg.model, device, dtype, aux)
     if state:
         drafter, optimizer_tensors = load_checkpoint(ckpt, target)
@@ -226,13 +294,25 @@ def _setup(cfg: TrainConfig, device, dtype):
     params = [p for n, p in drafter.named_parameters() if not n.startswith("embed_tokens")]
     for p in params:
         p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(
+        params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
+    )
     if state:
         load_optimizer_state(optimizer_tensors, drafter, optimizer)
         log.info("resumed from %s at step %d", ckpt, state["step"])
         if state["step"] >= state["max_steps"]:
-            log.warning("the checkpoint in %s is complete: nothing to train (delete it to start over)", ckpt)
-    return store, target, drafter, optimizer, params, ckpt, state or {"step": 0, "max_steps": cfg.max_steps}
+            log.warning(
+                "the checkpoint in %s is complete: nothing to train (delete it to start over)", ckpt
+            )
+    return (
+        store,
+        target,
+        drafter,
+        optimizer,
+        params,
+        ckpt,
+        state or {"step": 0, "max_steps": cfg.max_steps},
+    )
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -243,8 +323,12 @@ def train(cfg: TrainConfig) -> dict:
     store, target, drafter, optimizer, params, ckpt, state = _setup(cfg, device, dtype)
     step, metrics = state["step"], state.get("metrics", {})
     # a fitted schedule is kept on resume; otherwise the config decides (and may extend a run)
-    schedule = cfg.model_copy(update={"max_steps": state["max_steps"]}) if cfg.fit_steps_to_time else cfg
-    draft_to_target = (torch.arange(drafter.cfg.draft_vocab_size, device=device) + drafter.d2t).long()
+    schedule = (
+        cfg.model_copy(update={"max_steps": state["max_steps"]}) if cfg.fit_steps_to_time else cfg
+    )
+    draft_to_target = (
+        torch.arange(drafter.cfg.draft_vocab_size, device=device) + drafter.d2t
+    ).long()
     stream = batch_stream(cfg, store, step)
     start, first_step, mark_s = time.perf_counter(), step, 0.0
     bar = tqdm(total=schedule.max_steps, initial=step, desc="training drafter", unit="step")
@@ -252,8 +336,15 @@ def train(cfg: TrainConfig) -> dict:
         epoch, indices = next(stream)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(schedule, step)
-        loss, accuracy = train_step(cfg, target, drafter, draft_to_target,
-                                    collate(store, indices, cfg.max_seq_len), device, dtype)
+        loss, accuracy = train_step(
+            cfg,
+            target,
+            drafter,
+            draft_to_target,
+            collate(store, indices, cfg.max_seq_len),
+            device,
+            dtype,
+        )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         optimizer.step()
@@ -266,16 +357,23 @@ def train(cfg: TrainConfig) -> dict:
             # times slower (kernels picked for new shapes), so one early estimate stops far too soon.
             rate = 40 / (elapsed - mark_s)
             fitted = step + int((cfg.time_limit_s - elapsed) * rate)
-            schedule = schedule.model_copy(update={"max_steps": max(step + 1, min(cfg.max_steps, fitted))})
+            schedule = schedule.model_copy(
+                update={"max_steps": max(step + 1, min(cfg.max_steps, fitted))}
+            )
             bar.total = schedule.max_steps
             log.debug("fitted the schedule to the time limit: %d steps", schedule.max_steps)
         if (step - first_step) % 40 == 0:
             mark_s = elapsed
         if step % 10 == 0 or step == schedule.max_steps:
-            metrics = {"loss": round(loss.item(), 4), "epoch": epoch,
-                       "accuracy": [round(a, 4) for a in accuracy.tolist()],
-                       "loss_history": metrics.get("loss_history", [])[-99:] + [round(loss.item(), 4)]}
-            bar.set_postfix(loss=metrics["loss"], acc0=metrics["accuracy"][0], acc_last=metrics["accuracy"][-1])
+            metrics = {
+                "loss": round(loss.item(), 4),
+                "epoch": epoch,
+                "accuracy": [round(a, 4) for a in accuracy.tolist()],
+                "loss_history": metrics.get("loss_history", [])[-99:] + [round(loss.item(), 4)],
+            }
+            bar.set_postfix(
+                loss=metrics["loss"], acc0=metrics["accuracy"][0], acc_last=metrics["accuracy"][-1]
+            )
         out_of_time = cfg.time_limit_s is not None and elapsed > cfg.time_limit_s
         if step % cfg.checkpoint_every == 0 or step == schedule.max_steps or out_of_time:
             save_checkpoint(ckpt, drafter, optimizer, step, metrics, schedule.max_steps)
@@ -285,16 +383,30 @@ def train(cfg: TrainConfig) -> dict:
     return export(cfg, drafter, step, schedule.max_steps, metrics, time.perf_counter() - start)
 
 
-def export(cfg: TrainConfig, drafter: Eagle3Drafter, step: int, max_steps: int, metrics: dict,
-           train_s: float) -> dict:
+def export(
+    cfg: TrainConfig,
+    drafter: Eagle3Drafter,
+    step: int,
+    max_steps: int,
+    metrics: dict,
+    train_s: float,
+) -> dict:
     out = Path(cfg.output)
-    state, dtype = drafter_state_dict(drafter), {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(cfg.export_dtype)
+    state, dtype = (
+        drafter_state_dict(drafter),
+        {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(cfg.export_dtype),
+    )
     if cfg.export_dtype == "int8":
         state = quantize_int8(state)
     max_shard_bytes = int(cfg.export_shard_mb * 1e6) if cfg.export_shard_mb else None
     save_drafter(out, drafter.cfg, state, dtype, max_shard_bytes)
     (out / "training_config.json").write_text(cfg.model_dump_json(indent=2))
-    summary = {"step": step, "max_steps": max_steps, "is_complete": step >= max_steps,
-               "train_s_this_run": round(train_s, 1), "metrics": metrics}
+    summary = {
+        "step": step,
+        "max_steps": max_steps,
+        "is_complete": step >= max_steps,
+        "train_s_this_run": round(train_s, 1),
+        "metrics": metrics,
+    }
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
