@@ -162,7 +162,7 @@ def main() -> None:
         return child(args.child)
 
     sys.path.insert(0, str(HERE.parent))
-    from speculative.drafter import DEFAULT_DRAFTERS
+    from speculative.drafter_format import DEFAULT_DRAFTERS
 
     trained = (DEFAULT_DRAFTERS["smollm2-135m"] / "config.json").is_file()
     drafter_note = (

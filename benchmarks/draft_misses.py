@@ -63,7 +63,7 @@ def misses(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tupl
     counts = Counter()
     while engine.has_work:
         verifying = [
-            (r, r.num_verify_steps, runner.drafts[r.slot, :K].tolist())
+            (r, r.num_verify_steps, runner.state.drafts[r.slot, :K].tolist())
             for r in requests
             if r.slot is not None and not r.is_finished and r.output_ids
         ]

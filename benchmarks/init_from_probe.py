@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from speculative.drafter import load_drafter  # noqa: E402
+from speculative.drafter_format import load_drafter
 from speculative.train.config import TrainConfig  # noqa: E402
 from speculative.train.data import collate, load_data  # noqa: E402
 from speculative.train.trainer import init_drafter, load_target, train_step  # noqa: E402

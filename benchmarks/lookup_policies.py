@@ -44,7 +44,7 @@ def make_rule(runner, spec: str):
         if name == "off":
             return drafter.propose(h)[:, 0]
         draft, probability = (t[:, 0] for t in drafter.propose_scored(h))
-        history = runner.history[slots]
+        history = runner.state.history[slots]
         if name == "longest":
             found, copied = lookup(history, q, 2)
             for n in (3, 4):  # a longer match overrides a shorter one
@@ -71,7 +71,7 @@ def make_rule(runner, spec: str):
             else:
                 raise ValueError(f"unknown rule {spec!r}")
         draft = torch.where(use, copied, draft)
-        runner._record(slots, (q + 2).unsqueeze(1), draft.unsqueeze(1))
+        runner.state.record(slots, (q + 2).unsqueeze(1), draft.unsqueeze(1))
         return draft
 
     return propose
@@ -120,7 +120,7 @@ def main(argv=None) -> None:
     }
     results = []
     for rule in args.rules:
-        runner._propose = make_rule(runner, rule)
+        runner.proposer.propose = make_rule(runner, rule)
         for name, prompts in sets.items():
             row = {"rule": rule, "set": name, **measure(engine, prompts, 0.0, args.max_tokens)}
             results.append(row)

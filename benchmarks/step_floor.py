@@ -8,6 +8,7 @@ import json
 import torch
 
 from speculative.config import EngineConfig
+from speculative.config import SamplingParams
 from speculative.plan import PrefillRow, StepPlan
 from workers.model_runner import ModelRunner
 
@@ -49,15 +50,15 @@ def memory_report(runner: ModelRunner) -> dict:
         if runner.drafter
         else 0
     )
-    kv = runner.kv_cache.nbytes + (
-        runner.draft_kv_cache.nbytes if runner.draft_kv_cache is not None else 0
+    kv = runner.kv.target.nbytes + (
+        runner.kv.drafter.nbytes if runner.kv.drafter is not None else 0
     )
     return {
         "target_weights_mib": weights / 2**20,
         "drafter_weights_mib": drafter / 2**20,
         "kv_cache_mib": kv / 2**20,
         "resource_manager_mib": runner.resources.nbytes / 2**20,
-        "cuda_graph_pool_mib": runner.graph_pool_bytes / 2**20,
+        "cuda_graph_pool_mib": runner.graphs.pool_bytes / 2**20,
     }
 
 
@@ -95,7 +96,7 @@ def main():
                 free_slots=[s for s in used if runner.resources.is_allocated[s]],
                 prefills=[
                     PrefillRow(
-                        s, [1 + (s * 7 + i) % 1000 for i in range(args.prompt_len)], s, 0.0, 1.0, 0
+                        s, [1 + (s * 7 + i) % 1000 for i in range(args.prompt_len)], s, SamplingParams()
                     )
                     for s in used
                 ],
@@ -106,16 +107,16 @@ def main():
         plan = StepPlan(step_id=1, decode_slots=used, kv_len=256)
 
         def rewind():  # keep every timed step's positions inside the 256-row context
-            runner.num_computed[:B] = args.prompt_len
+            runner.state.num_computed[:B] = args.prompt_len
 
         rewind()
-        verify = timed(lambda: runner.verify_graphs(slots, kv_len=256))
+        verify = timed(lambda: runner.graphs.verify(slots, kv_len=256))
         rewind()
         step = timed(lambda: runner.execute(plan).result(), repeats=10)
         rewind()
         chain = (
-            timed(lambda: runner.chain_graphs(slots, slots, slots + args.prompt_len, kv_len=256))
-            if runner.chain_graphs
+            timed(lambda: runner.graphs.chain(slots, slots, slots + args.prompt_len, kv_len=256))
+            if runner.graphs.chain
             else 0.0
         )
         rows.append(

@@ -159,7 +159,7 @@ def run_to_completion(cfg, prompts: list[list[int]], params) -> list[dict]:
     import ray
 
     from speculative.coordinator import CoordinatorActor
-    from speculative.drafter import drafter_dir
+    from speculative.drafter_format import drafter_dir
     from speculative.executor import check_tp_size
 
     check_tp_size(cfg)  # what fails here would fail in every worker, with Ray's tracebacks

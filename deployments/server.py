@@ -133,8 +133,8 @@ async def _merged(streams: list):
 @serve.ingress(api)
 class OpenAIIngress:
     def __init__(self, server, cfg: ServeConfig):
-        from workers.llama import LlamaConfig
-        from workers.loader import load_config, load_tokenizer, resolve_model
+        from workers.loader import load_tokenizer, resolve_model
+        from workers.models import ModelConfig, load_config
 
         self.cfg = cfg
         self.server = server.options(stream=True)
@@ -143,7 +143,7 @@ class OpenAIIngress:
         self.tokenizer = load_tokenizer(model_dir)
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.capacity = None  # requests a replica takes at once, read from one on the first n > 1
-        self.max_model_len = LlamaConfig.from_hf(load_config(model_dir)).max_len(
+        self.max_model_len = ModelConfig.from_hf(load_config(model_dir)).max_len(
             cfg.engine.max_model_len
         )
         self.metrics = ingress_metrics()

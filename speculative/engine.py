@@ -40,7 +40,8 @@ def eos_ids(tokenizer, model_config: dict) -> set[int]:
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, executor=None):
-        from workers.loader import load_config, load_tokenizer, resolve_model
+        from workers.loader import load_tokenizer, resolve_model
+        from workers.models import load_config
 
         self.cfg = cfg
         model_dir = resolve_model(cfg.model)

@@ -202,7 +202,8 @@ class PendingStep:
 
 def check_tp_size(cfg: EngineConfig) -> None:
     """Fail before placing anything if the model's heads do not split over the ranks."""
-    from workers.loader import load_config, resolve_model
+    from workers.loader import resolve_model
+    from workers.models import load_config
 
     model = load_config(resolve_model(cfg.model))
     heads = model["num_attention_heads"]

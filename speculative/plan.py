@@ -6,26 +6,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from speculative.config import SamplingParams
+
 
 @dataclass
 class PrefillRow:
     slot: int
     token_ids: list[int]
-    seed: int
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    prior_output_tokens: int = (
-        0  # the prompt's last tokens that count as output (a resumed request)
-    )
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    repetition_penalty: float = 1.0
-    stops_from: int = (
-        0  # min_tokens: the first position at which EOS and stop tokens may be emitted
-    )
+    seed: int  # the request's, or one the scheduler drew for it
+    params: SamplingParams
+    stops_from: int = 0  # min_tokens: the first position at which EOS and stop tokens may come
     stop_ids: list[int] = field(default_factory=list)  # ... those tokens (with min_tokens only)
 
 
@@ -39,9 +29,8 @@ class StepPlan:
     all_greedy: bool = True
     use_top_k_top_p: bool = False
     use_min_p: bool = False
-    num_logprobs: int | None = (
-        None  # some row wants log-probabilities, with this many top tokens at most
-    )
+    # some row wants log-probabilities, with this many top tokens at most
+    num_logprobs: int | None = None
     use_penalties: bool = False  # some row has a frequency, presence or repetition penalty
     use_logit_bias: bool = False  # some row has a logit_bias
     use_min_tokens: bool = False  # some row may still be short of its min_tokens

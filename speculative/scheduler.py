@@ -250,21 +250,7 @@ class Scheduler:
         plan = StepPlan(
             step_id=step_id,
             prefills=[
-                PrefillRow(
-                    r.slot,
-                    r.prompt_ids,
-                    r.seed,
-                    r.params.temperature,
-                    r.params.top_p,
-                    r.params.top_k,
-                    r.params.min_p,
-                    r.params.frequency_penalty,
-                    r.params.presence_penalty,
-                    r.params.prior_output_tokens,
-                    r.params.logit_bias,
-                    r.params.repetition_penalty,
-                    *self._min_tokens_stops(r),
-                )
+                PrefillRow(r.slot, r.prompt_ids, r.seed, r.params, *self._min_tokens_stops(r))
                 for r in prefills
             ],
             decode_slots=[r.slot for r in decodes],

@@ -100,11 +100,11 @@ def write_random_drafter(
 ) -> Path:
     """A random EAGLE-3 drafter for a target directory, in the standard layout, with weights large
     enough that its greedy drafts are not near-ties (stable argmax across batch shapes)."""
-    from speculative.drafter import drafter_config_for, random_drafter_state, save_drafter
-    from workers.llama import LlamaConfig
+    from speculative.drafter_format import drafter_config_for, random_drafter_state, save_drafter
+    from workers.models import ModelConfig
 
     cfg = drafter_config_for(
-        LlamaConfig.from_hf(json.loads((Path(target_dir) / "config.json").read_text())),
+        ModelConfig.from_hf(json.loads((Path(target_dir) / "config.json").read_text())),
         draft_vocab_size,
     )
     state = random_drafter_state(cfg, seed=seed)

@@ -10,8 +10,8 @@ from conftest import run_to_completion, tiny_engine, tiny_prompts
 from safetensors.torch import save_file
 
 from speculative.config import SamplingParams
-from speculative.drafter import (
-    DrafterConfig,
+from speculative.drafter import DrafterConfig
+from speculative.drafter_format import (
     drafter_config_for,
     drafter_state_dict,
     load_drafter,
@@ -19,9 +19,8 @@ from speculative.drafter import (
     random_drafter_state,
     save_drafter,
 )
-from workers.attention import ForwardBatch, allocate_kv_cache
-from workers.llama import LlamaConfig
-from workers.loader import load_config
+from workers.kv_cache import ForwardBatch, allocate_kv_cache
+from workers.models import ModelConfig, load_config
 
 
 def drafter_outputs(drafter, seed=0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +41,7 @@ def drafter_outputs(drafter, seed=0) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("with_embeddings", [False, True])
 def test_save_load_round_trip(tmp_path, tiny_dir, with_embeddings):
-    target_cfg = LlamaConfig.from_hf(load_config(tiny_dir))
+    target_cfg = ModelConfig.from_hf(load_config(tiny_dir))
     cfg = drafter_config_for(target_cfg, draft_vocab_size=40, aux_layer_ids=(1, 2, 3))
     state = random_drafter_state(cfg, seed=3, with_embeddings=with_embeddings)
     state["d2t"] = torch.randint(0, 24, (40,))  # a non-trivial vocabulary map
@@ -68,7 +67,7 @@ def test_save_load_round_trip(tmp_path, tiny_dir, with_embeddings):
 def test_sharded_save(tmp_path, tiny_dir):
     """Over `max_shard_bytes` the weights go into Hugging Face style shards with an index, which load
     to the same drafter; saving again into that directory leaves no stale shard behind."""
-    target_cfg = LlamaConfig.from_hf(load_config(tiny_dir))
+    target_cfg = ModelConfig.from_hf(load_config(tiny_dir))
     cfg = drafter_config_for(target_cfg, draft_vocab_size=40)
     state = random_drafter_state(cfg, seed=5, with_embeddings=True)
     largest = max(t.numel() * t.element_size() for t in state.values())
@@ -97,7 +96,7 @@ def test_sharded_save(tmp_path, tiny_dir):
 def test_int8_storage(tmp_path, tiny_dir):
     """quantize_int8: every 2-D weight as int8 rows + a scale each, under 0.55x the bfloat16 bytes;
     it loads to weights within half a step of each row's scale, and the drafter proposes as before."""
-    target_cfg = LlamaConfig.from_hf(load_config(tiny_dir))
+    target_cfg = ModelConfig.from_hf(load_config(tiny_dir))
     cfg = drafter_config_for(target_cfg, draft_vocab_size=40)
     state = random_drafter_state(cfg, seed=7, with_embeddings=True)
     save_drafter(tmp_path / "bf16", cfg, state, torch.bfloat16)
@@ -132,7 +131,7 @@ def test_int8_storage(tmp_path, tiny_dir):
 # ---- the EAGLE authors' layout ----
 
 
-def write_authors_checkpoint(path, target_cfg: LlamaConfig, draft_vocab_size: int, seed: int = 0):
+def write_authors_checkpoint(path, target_cfg: ModelConfig, draft_vocab_size: int, seed: int = 0):
     """config.json shaped like yuhuili/EAGLE3-LLaMA3.1-Instruct-8B (scaled down): no
     target_hidden_size, no head_dim, no aux layer ids, draft_vocab_size; tensors named midlayer.*,
     fc, norm, lm_head, d2t, t2d; no embed_tokens (shared with the target)."""
@@ -192,7 +191,7 @@ def write_authors_checkpoint(path, target_cfg: LlamaConfig, draft_vocab_size: in
 
 
 def test_authors_checkpoint_runs_in_engine(tmp_path, tiny_dir):
-    target_cfg = LlamaConfig.from_hf(load_config(tiny_dir))
+    target_cfg = ModelConfig.from_hf(load_config(tiny_dir))
     vocab = write_authors_checkpoint(tmp_path / "eagle3", target_cfg, draft_vocab_size=24)
     prompts = tiny_prompts(4, seed=9)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -213,7 +212,7 @@ def test_authors_checkpoint_runs_in_engine(tmp_path, tiny_dir):
         requests.append(engine.add_request(prompt, params))
     while engine.has_work:
         engine.step()
-        proposed |= set(engine.executor.drafts[:-1].flatten().tolist())
+        proposed |= set(engine.executor.state.drafts[:-1].flatten().tolist())
     assert [r.output_ids for r in requests] == [r.output_ids for r in plain]
     # drafts are target ids reached through d2t: members of the draft vocabulary, beyond its first 24 ids
     assert proposed <= set(vocab.tolist()) | {0}
@@ -248,10 +247,10 @@ def test_pickled_checkpoints_are_refused_unopened(tmp_path):
         FileNotFoundError, match=r"no safetensors weights .*pytorch_model\.bin.*pickled"
     ):
         load_drafter(tmp_path / "drafter")
-    from workers.llama import Llama
     from workers.loader import load_target_weights
+    from workers.models.llama import Llama
 
-    cfg = LlamaConfig.from_hf(load_config(tmp_path / "target"))
+    cfg = ModelConfig.from_hf(load_config(tmp_path / "target"))
     with pytest.raises(FileNotFoundError, match=r"pickled checkpoints are not loaded"):
         load_target_weights(Llama(cfg, aux_layer_ids=()), tmp_path / "target")
     assert not marker.exists()
@@ -270,7 +269,7 @@ def test_random_default_drafters_do_not_collide(tmp_path, monkeypatch):
         engine = tiny_engine(d, "default", k=2)
         assert (
             engine.executor.drafter.cfg.hidden_size
-            == LlamaConfig.from_hf(load_config(d)).hidden_size
+            == ModelConfig.from_hf(load_config(d)).hidden_size
         )
         run_to_completion(engine, tiny_prompts(1), SamplingParams(max_tokens=4, ignore_eos=True))
 
@@ -282,7 +281,7 @@ def _small_drafter(tmp_path, mutate=None, **changes):
     """A drafter for a target of 64 tokens and hidden size 64, draft vocabulary 16, after `mutate(state)`."""
     from dataclasses import replace
 
-    target = LlamaConfig.from_hf(
+    target = ModelConfig.from_hf(
         {
             "vocab_size": 64,
             "hidden_size": 64,

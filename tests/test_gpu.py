@@ -169,7 +169,7 @@ def test_sampled_steps_replay_the_target_pass_graph():
                 )
             )
             engine.executor.check_host_sync = True
-            assert (engine.executor.pass_graphs is not None) == graphs
+            assert (engine.executor.graphs.target_pass is not None) == graphs
             prompts = [encode_prompt(engine.tokenizer, q) for q in QUESTIONS]
             params = [
                 SamplingParams(max_tokens=48, temperature=0.8, top_p=0.95, seed=i)
@@ -223,7 +223,8 @@ def test_gqa_attention_equals_folded_under_cudnn():
     what the folded form gives, and cuDNN must accept it (forced, so no silent fallback to math)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from workers.attention import CachedAttention, ForwardBatch, attention_inputs, use_gqa
+    from workers.attention import CachedAttention, attention_inputs, use_gqa
+    from workers.kv_cache import ForwardBatch
     from workers.layers import Rotary
 
     torch.manual_seed(0)

@@ -18,6 +18,7 @@ from scipy.stats import chi2
 from speculative.config import SamplingParams
 from speculative.draft_tree import chain_path
 from speculative.plan import PrefillRow, StepPlan
+from speculative.sampling import prompt_logprobs
 from speculative.verify import verify_sampled
 from workers.model_runner import ModelRunner
 
@@ -61,13 +62,13 @@ def fresh_drafts(
     (whose greedy token must be context[-1]): what the incremental drafter KV cache must reproduce."""
     plan = StepPlan(
         step_id,
-        prefills=[PrefillRow(0, context[:-1], 0, 0.0, 1.0, 0)],
+        prefills=[PrefillRow(0, context[:-1], 0, SamplingParams())],
         free_slots=[0] if step_id else [],
         kv_len=len(context) + runner.K + 1,
     )
     result = runner.execute(plan).result()
     assert result.tokens[0, 0] == context[-1]
-    return runner.drafts[0, : runner.K].clone(), runner.siblings[0, :, : runner.K].clone()
+    return runner.state.drafts[0, : runner.K].clone(), runner.state.siblings[0, :, : runner.K].clone()
 
 
 def run_with_oracle(
@@ -113,10 +114,10 @@ def run_with_oracle(
                 expected, expected_siblings = fresh_drafts(
                     check_against, prompts[i] + r.output_ids, checks
                 )
-                assert torch.equal(runner.drafts[r.slot, :K], expected), (
+                assert torch.equal(runner.state.drafts[r.slot, :K], expected), (
                     f"request {i} after {n} tokens"
                 )
-                assert torch.equal(runner.siblings[r.slot, :, :K], expected_siblings), (
+                assert torch.equal(runner.state.siblings[r.slot, :, :K], expected_siblings), (
                     f"request {i} after {n} tokens"
                 )
                 checks += 1
@@ -124,13 +125,13 @@ def run_with_oracle(
             drafts = [
                 (d + 1 + rng.randrange(V - 1)) % V if rng.random() < corrupt_p else d for d in right
             ]
-            runner.drafts[r.slot, :K] = torch.tensor(drafts)
+            runner.state.drafts[r.slot, :K] = torch.tensor(drafts)
             if M:
                 siblings = [[rng.randrange(V) for _ in range(K)] for _ in range(M)]
                 for j in range(K):
                     if drafts[j] != right[j] and rng.random() < 0.5:
                         siblings[rng.randrange(M)][j] = right[j]
-                runner.siblings[r.slot, :, :K] = torch.tensor(siblings)
+                runner.state.siblings[r.slot, :, :K] = torch.tensor(siblings)
                 j = next((j for j in range(K) if drafts[j] != right[j]), K)
                 through = j < K and any(s[j] == right[j] for s in siblings)
                 siblings_taken += through
@@ -177,7 +178,7 @@ def test_logprobs_are_the_targets_own(
     )
     outputs = {}
     if sampled:
-        monkeypatch.setattr(ModelRunner._prompt_logprobs, "__defaults__", (7,))
+        monkeypatch.setattr(prompt_logprobs, "__defaults__", (7,))
         params = [
             SamplingParams(
                 temperature=0.9,
@@ -465,7 +466,7 @@ def test_whole_decode_step_function(tiny_dir, tiny_drafter_dir, prompts, plain_r
         graph_first_draft=True,
         draft_siblings=siblings,
     )
-    engine.executor.verify_graphs = EagerGraphs(
+    engine.executor.graphs.verify = EagerGraphs(
         engine.executor._decode_step, engine.executor.resources.dummy_slot
     )
     fresh = ModelRunner(engine.cfg)
@@ -500,10 +501,10 @@ def test_eager_verification_after_the_graphed_target_pass(
         engine = tiny_engine(tiny_dir, drafter, k=3, max_batch_size=4, draft_siblings=siblings or 0)
         runner = engine.executor
         if graphed:
-            runner.pass_graphs = EagerGraphs(runner._target_pass, runner.resources.dummy_slot)
+            runner.graphs.target_pass = EagerGraphs(runner._target_pass, runner.resources.dummy_slot)
         outputs.append([r.output_ids for r in run_to_completion(engine, prompts, params, JOINS)])
     assert outputs[0] == outputs[1]
-    assert runner.pass_graphs.calls > 10
+    assert runner.graphs.target_pass.calls > 10
 
 
 # ---- greedy, real SmolLM2 ----
@@ -525,7 +526,7 @@ def test_greedy_smollm2(
 
 
 def test_greedy_smollm2_trained_drafter(smollm2_prompts, smollm2_greedy_64, smollm2_near_tie):
-    from speculative.drafter import DEFAULT_DRAFTERS
+    from speculative.drafter_format import DEFAULT_DRAFTERS
 
     trained = DEFAULT_DRAFTERS["smollm2-135m"]
     if not (trained / "config.json").is_file():
@@ -670,9 +671,9 @@ def sample_first_three(
             if live:
                 slots = torch.tensor([r.slot for r in live])
                 oracles = [oracle_drafts(conditionals, r.output_ids, K, runner.M) for r in live]
-                runner.drafts[slots, :K] = torch.tensor([d for d, _ in oracles])
+                runner.state.drafts[slots, :K] = torch.tensor([d for d, _ in oracles])
                 if runner.M:
-                    runner.siblings[slots, :, :K] = torch.tensor([s for _, s in oracles])
+                    runner.state.siblings[slots, :, :K] = torch.tensor([s for _, s in oracles])
     counts = torch.zeros(V16, V16, V16)
     for r in requests:
         assert len(r.output_ids) == 3
@@ -768,7 +769,7 @@ def test_sampled_distribution_matches_target(v16_dirs, params_name, drafts, k, s
 def accept_always(probs, drafts, u_accept, u_sample, *_):
     """WRONG: every draft accepted, the bonus drawn from p after the last draft."""
     B, K = drafts.shape
-    from speculative.verify import sample
+    from speculative.sampling import sample
 
     bonus = sample(probs[:, K], u_sample[:, K])
     return (
@@ -780,7 +781,7 @@ def accept_always(probs, drafts, u_accept, u_sample, *_):
 
 def resample_without_removal(probs, drafts, u_accept, u_sample, *_):
     """WRONG: accept with probability p(x) but, on rejection, redraw from p itself (x not removed)."""
-    from speculative.verify import sample
+    from speculative.sampling import sample
 
     B, K = drafts.shape
     p_draft = probs[:, :K].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
@@ -834,7 +835,7 @@ def check_looked_up_drafts(engine, requests) -> int:
         if r.slot is None or r.is_finished or not r.output_ids:
             continue
         seq = r.prompt_ids + r.output_ids
-        for draft in engine.executor.drafts[r.slot, : engine.executor.K].tolist():
+        for draft in engine.executor.state.drafts[r.slot, : engine.executor.K].tolist():
             expected = python_lookup(seq)
             if expected is not None:
                 assert draft == expected

@@ -11,14 +11,15 @@ import torch
 from conftest import run_to_completion, tiny_engine, tiny_prompts, write_tiny_llama
 
 from speculative.config import SamplingParams
-from workers.attention import ForwardBatch, allocate_kv_cache
-from workers.llama import Llama, LlamaConfig
-from workers.loader import iter_safetensors, load_config, load_target_weights
+from workers.kv_cache import ForwardBatch, allocate_kv_cache
+from workers.loader import iter_safetensors, load_target_weights
+from workers.models import ModelConfig, load_config
+from workers.models.llama import Llama
 
 
 def our_llama(model_dir, max_len: int = 128) -> Llama:
     """Our target on one slot, with its KV cache attached."""
-    cfg = LlamaConfig.from_hf(load_config(model_dir))
+    cfg = ModelConfig.from_hf(load_config(model_dir))
     model = Llama(cfg, max_positions=max_len, aux_layer_ids=())
     load_target_weights(model, model_dir)
     cache = allocate_kv_cache(
@@ -255,13 +256,13 @@ def test_config_json_is_validated(tmp_path, changes, message):
     config = {k: v for k, v in (load_config(model_dir) | changes).items() if v is not None}
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=f"config.json: .*{message}"):
-        LlamaConfig.from_hf(load_config(model_dir))
+        ModelConfig.from_hf(load_config(model_dir))
 
 
 def test_supported_configs_pass(smollm2_dir, tmp_path):
     from workers.loader import RANDOM_SHAPES
 
-    cfg = LlamaConfig.from_hf(load_config(smollm2_dir))
+    cfg = ModelConfig.from_hf(load_config(smollm2_dir))
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (
         576,
         9,
@@ -269,11 +270,11 @@ def test_supported_configs_pass(smollm2_dir, tmp_path):
         64,
     )
     for tie in (False, True):
-        LlamaConfig.from_hf(load_config(write_tiny_llama(tmp_path / str(tie), tie=tie)))
+        ModelConfig.from_hf(load_config(write_tiny_llama(tmp_path / str(tie), tie=tie)))
     for shape in RANDOM_SHAPES.values():
-        LlamaConfig.from_hf(shape)
+        ModelConfig.from_hf(shape)
     # an explicit head_dim need not divide the hidden size; a default rope_scaling entry is fine
-    LlamaConfig.from_hf(
+    ModelConfig.from_hf(
         load_config(smollm2_dir)
         | {
             "num_attention_heads": 7,
@@ -427,7 +428,7 @@ def write_tiny_gguf(
     ],
 )
 def test_unsupported_ggufs_are_refused(tmp_path, kwargs, message):
-    from workers.loader import read_gguf
+    from workers.gguf import read_gguf
 
     path = write_tiny_gguf(tmp_path / "m.gguf", **kwargs)
     with pytest.raises(ValueError, match=f"{path}: .*{message}"):
@@ -435,7 +436,7 @@ def test_unsupported_ggufs_are_refused(tmp_path, kwargs, message):
 
 
 def test_truncated_gguf_is_refused(tmp_path):
-    from workers.loader import read_gguf
+    from workers.gguf import read_gguf
 
     path = write_tiny_gguf(tmp_path / "m.gguf")
     data = path.read_bytes()
@@ -450,7 +451,7 @@ def test_gguf_head_dim_from_key_length(tmp_path):
     ones (plain rope) is skipped."""
     from safetensors.torch import save_file
 
-    from workers.loader import read_gguf
+    from workers.gguf import read_gguf
 
     path = write_tiny_gguf(
         tmp_path / "m.gguf",
@@ -477,11 +478,11 @@ def gguf_cache(tmp_path, monkeypatch):
     """A fresh conversion cache; conversions counted, the tokenizer step a stub (tiny GGUFs have none)."""
     from transformers import AutoTokenizer
 
-    from workers import loader
+    from workers import gguf
 
     monkeypatch.setenv("EAGLESERVE_CACHE", str(tmp_path / "cache"))
     calls = []
-    real = loader.read_gguf
+    real = gguf.read_gguf
 
     def counted(path):
         calls.append(path)
@@ -492,7 +493,7 @@ def gguf_cache(tmp_path, monkeypatch):
         def save_pretrained(self, out):
             pass
 
-    monkeypatch.setattr(loader, "read_gguf", counted)
+    monkeypatch.setattr(gguf, "read_gguf", counted)
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *args, **kwargs: NoTokenizer())
     return calls
 

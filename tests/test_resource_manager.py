@@ -79,7 +79,7 @@ def runner(tiny_dir, tiny_drafter_dir):
 def prefill(slot, step_id, free=()):
     return StepPlan(
         step_id,
-        prefills=[PrefillRow(slot, [1, 2, 3, 4], 0, 0.0, 1.0, 0)],
+        prefills=[PrefillRow(slot, [1, 2, 3, 4], 0, SamplingParams())],
         free_slots=list(free),
         kv_len=64,
     )

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import tiny_llama
 
 from speculative.config import EngineConfig, SamplingParams
-from speculative.drafter import (
+from speculative.drafter_format import (
     dequantize_int8,
     drafter_config_for,
     random_drafter_state,
@@ -42,8 +42,8 @@ from speculative.train.data import (
 from speculative.train.pipeline import train_drafter
 from speculative.train.trainer import init_drafter, load_target, train_step
 from speculative.train.ttt import loss_rows, ttt_loss, ttt_mask
-from workers.llama import LlamaConfig
-from workers.loader import load_config, load_tokenizer
+from workers.loader import load_tokenizer
+from workers.models import ModelConfig, load_config
 
 QUESTIONS = [
     "How many legs do 3 cats have?",
@@ -710,7 +710,7 @@ def acceptance(model, drafter) -> float:
 
 def test_trained_drafter_beats_random(trained, tmp_path):
     model, drafter, _, _ = trained
-    cfg = drafter_config_for(LlamaConfig.from_hf(load_config(model)), draft_vocab_size=256)
+    cfg = drafter_config_for(ModelConfig.from_hf(load_config(model)), draft_vocab_size=256)
     save_drafter(tmp_path / "random", cfg, random_drafter_state(cfg))
     trained_len, random_len = acceptance(model, drafter), acceptance(model, tmp_path / "random")
     assert trained_len > random_len + 0.5, (trained_len, random_len)
@@ -764,7 +764,7 @@ def test_training_target_captures_the_drafters_aux_layers(trained, tmp_path):
     """Trained further from a drafter that names its aux layers, the drafter is fed those layers (the
     ones inference captures for it), on the first run and on resume."""
     model, drafter, _, _ = trained
-    dcfg = drafter_config_for(LlamaConfig.from_hf(load_config(model)), 256, aux_layer_ids=(0, 1, 3))
+    dcfg = drafter_config_for(ModelConfig.from_hf(load_config(model)), 256, aux_layer_ids=(0, 1, 3))
     save_drafter(tmp_path / "source", dcfg, random_drafter_state(dcfg))
     cfg = TrainConfig(
         model=str(model),
@@ -829,7 +829,7 @@ def test_cli_train_drafter_errors(trained, tmp_path, monkeypatch):
     }
     for name, text in files.items():
         (tmp_path / name).write_text(text)
-    dcfg = drafter_config_for(LlamaConfig.from_hf(load_config(model)), 256)
+    dcfg = drafter_config_for(ModelConfig.from_hf(load_config(model)), 256)
     save_drafter(
         tmp_path / "nofc",
         dcfg,

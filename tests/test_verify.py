@@ -4,17 +4,11 @@ import pytest
 import torch
 from conftest import run_to_completion, tiny_engine, tiny_prompts
 
+import speculative.sampling
 import workers.model_runner
 from speculative.config import SamplingParams
-from speculative.verify import (
-    ACCEPT_STREAM,
-    SAMPLE_STREAM,
-    sample,
-    target_probs,
-    uniform,
-    verify_greedy,
-    verify_sampled,
-)
+from speculative.sampling import ACCEPT_STREAM, SAMPLE_STREAM, sample, target_probs, uniform
+from speculative.verify import verify_greedy, verify_sampled
 from workers.sync_guard import HostSyncError, no_host_sync
 
 
@@ -270,25 +264,25 @@ def test_steps_run_without_host_sync(tiny_dir, tiny_drafter_dir, case, drafts):
 
 
 @pytest.mark.parametrize(
-    "function, params",
+    "module, function, params",
     [
-        ("verify_greedy", CASES["greedy"]),
-        ("verify_sampled", CASES["sampled"]),
-        ("sample", CASES["sampled"]),
+        (workers.model_runner, "verify_greedy", CASES["greedy"]),
+        (workers.model_runner, "verify_sampled", CASES["sampled"]),
+        (speculative.sampling, "sample", CASES["sampled"]),
     ],
 )
 def test_guard_catches_a_sync_inside_a_step(
-    tiny_dir, tiny_drafter_dir, monkeypatch, function, params
+    tiny_dir, tiny_drafter_dir, monkeypatch, module, function, params
 ):
     """A `.item()` slipped into the step (here into verification or sampling) fails the step loudly
     when the guard is on, and goes unnoticed when it is off."""
-    original = getattr(workers.model_runner, function)
+    original = getattr(module, function)
 
     def syncing(*args, **kwargs):
         args[0].sum().item()
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(workers.model_runner, function, syncing)
+    monkeypatch.setattr(module, function, syncing)
     engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=2)
     run_to_completion(engine, tiny_prompts(2), params)  # unguarded: the sync goes unnoticed
     engine.executor.check_host_sync = True

@@ -1,8 +1,5 @@
-"""Attention over a preallocated per-slot KV cache, shared by the target and the drafter.
-
-Cache layout per layer: [2 (k, v), num_slots + 1, max_len, kv_heads, head_dim]; the last slot is
-a dummy that padding tokens write into. A token at position p is written at row p of its slot, so
-a rejected draft costs nothing: its row is simply overwritten by the next token at p.
+"""Attention math over what the KV cache (workers/kv_cache.py) hands it, shared by the target and
+the drafter.
 
 A small model's step is bound by how many kernels it runs, not by their work, so each layer keeps
 its count low: RoPE tables and the mask are built once per forward, queries and keys are rotated
@@ -26,21 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.layers import ColumnParallelLinear, Rotary, RowParallelLinear, tp_rank_size
-
-
-@dataclass
-class ForwardBatch:
-    """Per-forward metadata (device tensors, except kv_len). B rows, T tokens per row."""
-
-    slots: torch.Tensor  # [B] cache slot of each row
-    positions: torch.Tensor  # [B, T] position of each token (pads: any valid position)
-    write_slots: torch.Tensor  # [B, T] slot to write K/V into (pads: the dummy slot)
-    write_positions: torch.Tensor  # [B, T] row to write into, clamped to the cache length
-    kv_len: int  # cache rows read per slot (>= every position + 1)
-    # a draft tree (speculative/draft_tree.py): token i of a row is node i, written at row
-    # write_positions[:, 0] + i, and sees the cache before the root and the nodes tree[i] marks
-    tree: torch.Tensor | None = None  # [T, T] bool
+from workers.kv_cache import ForwardBatch, read_kv, write_kv
+from workers.layers import ColumnParallelLinear, RowParallelLinear, tp_rank_size
+from workers.rotary import Rotary
 
 
 @dataclass
@@ -112,21 +97,6 @@ def attention_inputs(
     return AttentionInputs(cos, sin, bias, gqa)
 
 
-def allocate_kv_cache(
-    num_layers: int,
-    num_slots: int,
-    max_len: int,
-    kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device,
-) -> torch.Tensor:
-    # [layers, 2 (k, v), slots + dummy, max_len, kv_heads, head_dim]
-    return torch.zeros(
-        num_layers, 2, num_slots + 1, max_len, kv_heads, head_dim, dtype=dtype, device=device
-    )
-
-
 class CachedAttention(nn.Module):
     def __init__(
         self,
@@ -162,9 +132,8 @@ class CachedAttention(nn.Module):
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(B, T, H + 2 * KV, D)
         qk = self.rotary.apply(qkv[:, :, : H + KV], inputs.cos, inputs.sin)
-        self.cache[0].index_put_((batch.write_slots, batch.write_positions), qk[:, :, H:])
-        self.cache[1].index_put_((batch.write_slots, batch.write_positions), qkv[:, :, H + KV :])
-        kv = self.cache[:, batch.slots, : batch.kv_len].transpose(2, 3)  # [2, B, KV, S, D]
+        write_kv(self.cache, batch, qk[:, :, H:], qkv[:, :, H + KV :])
+        kv = read_kv(self.cache, batch)  # [2, B, KV, S, D]
         if inputs.gqa:
             out = F.scaled_dot_product_attention(
                 qk[:, :, :H].transpose(1, 2), kv[0], kv[1], attn_mask=inputs.bias, enable_gqa=True

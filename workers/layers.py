@@ -162,35 +162,3 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel on CUDA
-
-
-class Rotary(nn.Module):
-    """Rotate-half RoPE (the Hugging Face Llama convention) from a precomputed table. The sine
-    table carries rotate-half's sign, so x * cos + rotate_half(x) * sin is x * cos + roll(x) * sin:
-    three kernels, applied to queries and keys together."""
-
-    def __init__(self, head_dim: int, max_positions: int, theta: float):
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        sin = emb.sin()
-        sin[:, : head_dim // 2] *= -1
-        self.register_buffer("cos", emb.cos(), persistent=False)  # [max_positions, head_dim]
-        self.register_buffer("sin", sin, persistent=False)
-
-    def tables(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, signed sin [B, T, 1, D]: computed once per forward, used by every layer."""
-        return self.cos[positions].unsqueeze(2).to(dtype), self.sin[positions].unsqueeze(2).to(
-            dtype
-        )
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [B, T, heads, D], positions: [B, T]
-        return self.apply(x, *self.tables(positions, x.dtype))

@@ -9,6 +9,7 @@ import torch
 
 from speculative.config import MAX_LOGIT_BIAS, MAX_STOP_IDS
 from speculative.plan import StepPlan, StepResult
+from workers.slot_state import SAMPLING_FIELDS
 
 
 @dataclass
@@ -55,55 +56,42 @@ def prepare_inputs(plan: StepPlan, device: torch.device) -> dict[str, torch.Tens
     """Every input built in (pinned) host tensors, then copied together, non-blocking."""
     host = {"decode_slots": torch.tensor(plan.decode_slots, dtype=torch.long)}
     if plan.prefills:
-        T = max(len(p.token_ids) for p in plan.prefills)
-        ids = torch.zeros(len(plan.prefills), T, dtype=torch.long)
-        for i, p in enumerate(plan.prefills):
-            ids[i, : len(p.token_ids)] = torch.tensor(p.token_ids)
-        host["prefill_ids"] = ids
-        host["prefill_lens"] = torch.tensor([len(p.token_ids) for p in plan.prefills])
-        host["prefill_slots"] = torch.tensor([p.slot for p in plan.prefills])
-        host["prefill_seeds"] = torch.tensor([p.seed for p in plan.prefills])
-        host["prefill_temperature"] = torch.tensor([p.temperature for p in plan.prefills])
-        host["prefill_top_p"] = torch.tensor([p.top_p for p in plan.prefills])
-        host["prefill_top_k"] = torch.tensor([p.top_k for p in plan.prefills])
-        host["prefill_min_p"] = torch.tensor([p.min_p for p in plan.prefills])
-        host["prefill_frequency_penalty"] = torch.tensor(
-            [p.frequency_penalty for p in plan.prefills]
-        )
-        host["prefill_presence_penalty"] = torch.tensor([p.presence_penalty for p in plan.prefills])
-        host["prefill_repetition_penalty"] = torch.tensor(
-            [p.repetition_penalty for p in plan.prefills]
-        )
-        host["prefill_prior_output_tokens"] = torch.tensor(
-            [p.prior_output_tokens for p in plan.prefills]
-        )
-        if (
-            plan.use_logit_bias
-        ):  # as [rows, MAX_LOGIT_BIAS] ids and values, padded with token 0 and bias 0
-            host["prefill_bias_ids"] = torch.zeros(
-                len(plan.prefills), MAX_LOGIT_BIAS, dtype=torch.long
-            )
-            host["prefill_bias_values"] = torch.zeros(len(plan.prefills), MAX_LOGIT_BIAS)
-            for i, p in enumerate(plan.prefills):
-                host["prefill_bias_ids"][i, : len(p.logit_bias)] = torch.tensor(
-                    list(p.logit_bias), dtype=torch.long
-                )
-                host["prefill_bias_values"][i, : len(p.logit_bias)] = torch.tensor(
-                    list(p.logit_bias.values())
-                )
-        if plan.use_min_tokens:  # [rows, MAX_STOP_IDS] padded with -1
-            host["prefill_stops_from"] = torch.tensor([p.stops_from for p in plan.prefills])
-            host["prefill_stop_ids"] = torch.full(
-                (len(plan.prefills), MAX_STOP_IDS), -1, dtype=torch.long
-            )
-            for i, p in enumerate(plan.prefills):
-                host["prefill_stop_ids"][i, : len(p.stop_ids)] = torch.tensor(
-                    p.stop_ids, dtype=torch.long
-                )
+        host |= _prefill_inputs(plan)
     pin = device.type == "cuda"
     return {
         k: (v.pin_memory() if pin else v).to(device, non_blocking=True) for k, v in host.items()
     }
+
+
+def _prefill_inputs(plan: StepPlan) -> dict[str, torch.Tensor]:
+    rows = plan.prefills
+    T = max(len(p.token_ids) for p in rows)
+    ids = torch.zeros(len(rows), T, dtype=torch.long)
+    for i, p in enumerate(rows):
+        ids[i, : len(p.token_ids)] = torch.tensor(p.token_ids)
+    host = {
+        "prefill_ids": ids,
+        "prefill_lens": torch.tensor([len(p.token_ids) for p in rows]),
+        "prefill_slots": torch.tensor([p.slot for p in rows]),
+        "prefill_seeds": torch.tensor([p.seed for p in rows]),
+        "prefill_prior_output_tokens": torch.tensor([p.params.prior_output_tokens for p in rows]),
+    }
+    for name, dtype, _ in SAMPLING_FIELDS:
+        host[f"prefill_{name}"] = torch.tensor([getattr(p.params, name) for p in rows], dtype=dtype)
+    if plan.use_logit_bias:  # [rows, MAX_LOGIT_BIAS] ids and values, padded with token 0, bias 0
+        host["prefill_bias_ids"] = torch.zeros(len(rows), MAX_LOGIT_BIAS, dtype=torch.long)
+        host["prefill_bias_values"] = torch.zeros(len(rows), MAX_LOGIT_BIAS)
+        for i, p in enumerate(rows):
+            bias = p.params.logit_bias
+            host["prefill_bias_ids"][i, : len(bias)] = torch.tensor(list(bias), dtype=torch.long)
+            host["prefill_bias_values"][i, : len(bias)] = torch.tensor(list(bias.values()))
+    if plan.use_min_tokens:  # [rows, MAX_STOP_IDS] padded with -1
+        host["prefill_stops_from"] = torch.tensor([p.stops_from for p in rows])
+        host["prefill_stop_ids"] = torch.full((len(rows), MAX_STOP_IDS), -1, dtype=torch.long)
+        for i, p in enumerate(rows):
+            stop_ids = torch.tensor(p.stop_ids, dtype=torch.long)
+            host["prefill_stop_ids"][i, : len(p.stop_ids)] = stop_ids
+    return host
 
 
 def send_back(

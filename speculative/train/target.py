@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.attention import CachedAttention
-from workers.llama import Llama
+from workers.models.llama import Llama
 
 
 def _causal_attention(

@@ -15,9 +15,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from speculative.drafter import (
-    DrafterConfig,
-    Eagle3Drafter,
+from speculative.drafter import DrafterConfig, Eagle3Drafter
+from speculative.drafter_format import (
     drafter_config_for,
     drafter_state_dict,
     load_drafter,
@@ -31,8 +30,9 @@ from speculative.train.target import target_draft_probs, target_features
 from speculative.train.ttt import loss_rows, ttt_forward, ttt_loss
 from workers.device import pick_device, pick_dtype
 from workers.layers import VocabParallelEmbedding
-from workers.llama import Llama, LlamaConfig
-from workers.loader import load_config, load_target_weights, resolve_model
+from workers.loader import load_target_weights, resolve_model
+from workers.models import ModelConfig, load_config
+from workers.models.llama import Llama
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +45,12 @@ def load_target(
 ) -> Llama:
     """The frozen target, capturing `aux_layer_ids` (those of the drafter it trains; None: the default)."""
     model_dir = resolve_model(model)
-    target = Llama(LlamaConfig.from_hf(load_config(model_dir)), aux_layer_ids=aux_layer_ids)
+    target = Llama(ModelConfig.from_hf(load_config(model_dir)), aux_layer_ids=aux_layer_ids)
     load_target_weights(target, model_dir)
     return target.to(device, dtype).eval()
 
 
-def load_source(path: str, target_cfg: LlamaConfig, target_embeddings=None) -> Eagle3Drafter:
+def load_source(path: str, target_cfg: ModelConfig, target_embeddings=None) -> Eagle3Drafter:
     """The init_from drafter, or a ValueError that says why it cannot be trained further for this
     target. Without the target's embeddings (the check before distilling), a stand-in without storage."""
     if target_embeddings is None:
@@ -89,7 +89,7 @@ def checkpoint_state(ckpt: Path) -> dict | None:
 
 def check_config(cfg: TrainConfig) -> None:
     """The errors of a training config that would otherwise show only after distilling."""
-    target_cfg = LlamaConfig.from_hf(load_config(resolve_model(cfg.model)))
+    target_cfg = ModelConfig.from_hf(load_config(resolve_model(cfg.model)))
     if cfg.draft_vocab_size > target_cfg.vocab_size:
         raise ValueError(
             f"draft_vocab_size {cfg.draft_vocab_size} is larger than the vocabulary of "

@@ -1,0 +1,107 @@
+"""The draft chain on one rank: the drafter's first forward from the target's features, draft
+forwards 2..K each launched from the previous one's device tensors, the draft tree's siblings,
+and prompt lookup. Drafts land in the slot state, where the next verify pass reads them."""
+
+from dataclasses import dataclass
+
+import torch
+
+from speculative.drafter import Eagle3Drafter
+from speculative.prompt_lookup import lookup
+from speculative.resource_manager import Eagle3ResourceManager
+from workers.kv_cache import ForwardBatch, KVCache
+from workers.slot_state import SlotState
+
+
+@dataclass
+class DraftSeed:
+    """What the chain continues from, per row: slot, drafter output, its position, first draft."""
+
+    slots: torch.Tensor  # [B]
+    hidden: torch.Tensor  # [B, H]
+    positions: torch.Tensor  # [B]
+    first_draft: torch.Tensor  # [B]
+
+
+class Proposer:
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        state: SlotState,
+        resources: Eagle3ResourceManager,
+        kv: KVCache,
+        K: int,
+        M: int,
+        prompt_lookup: float,
+    ):
+        self.drafter, self.state, self.resources, self.kv = drafter, state, resources, kv
+        self.K, self.M = K, M  # chain depth, siblings per depth
+        self.prompt_lookup = prompt_lookup
+
+    def from_prompt(self, ids, lens, token, features, batch: ForwardBatch) -> DraftSeed:
+        """After a prefill of ids [B, T] (lengths lens [B]) that chose `token` [B]: the first
+        draft forward over the prompt. Its input at position t: the target's feature at t and
+        the token at t+1."""
+        slots, rows = batch.slots, torch.arange(ids.shape[0], device=ids.device)
+        draft_ids = ids.roll(-1, dims=1).index_put((rows, lens - 1), token)
+        h = self.drafter(draft_ids, features, batch, from_features=True)
+        last = h[rows, lens - 1]
+        self.state.record(slots, batch.positions, ids)
+        # after the prompt: it overwrites the padding at lens
+        self.state.record(slots, lens.unsqueeze(1), token.unsqueeze(1))
+        first = self.propose(last, slots, lens - 1, depth=0)
+        return DraftSeed(slots, last, lens - 1, first)
+
+    def after_verify(self, slots, tokens, emitted, base, path, kv_len: int, T: int):
+        """The first draft forward over the accepted + 1 tokens of each row (tokens [B, K+1],
+        padded past emitted [B]), fed by the target features the verify pass (T tokens a row)
+        captured at the nodes of `path` [B, K+1]. -> the drafter's output at the last accepted
+        token [B, H], the first draft [B]."""
+        K, B, dev = self.K, slots.shape[0], slots.device
+        rows = torch.arange(B, device=dev)
+        accepted = emitted - 1
+        positions = base.unsqueeze(1) + torch.arange(K + 1, device=dev)
+        valid = torch.arange(K + 1, device=dev) <= accepted.unsqueeze(1)
+        batch = self.kv.batch(slots, positions, valid, kv_len)
+        features = self.resources.feature_view(B, T)
+        if self.M:
+            features = features[rows.unsqueeze(1), path]
+        h = self.drafter(tokens, features, batch, from_features=True)
+        last = h[rows, accepted]
+        return last, self.propose(last, slots, base + accepted, depth=0)
+
+    def draft_steps(self, slots, draft, positions, kv_len: int) -> tuple[torch.Tensor]:
+        """Draft forwards 2..K, one token per row, each launched from the previous one's tensors.
+        slots, draft (the first draft), positions (of the drafter output that made it): [B]."""
+        drafts = [draft]
+        one = torch.ones(slots.shape[0], 1, dtype=torch.bool, device=slots.device)
+        for k in range(1, self.K):
+            batch = self.kv.batch(slots, (positions + k).unsqueeze(1), one, kv_len)
+            hidden = self.resources.read_hidden(slots).unsqueeze(1)  # [B, 1, H]
+            h = self.drafter(drafts[-1].unsqueeze(1), hidden, batch, from_features=False)[:, 0]
+            self.resources.write_hidden(slots, h)
+            drafts.append(self.propose(h, slots, positions + k, depth=k))
+        stacked = torch.stack(drafts, dim=1)  # [B, K]
+        self.state.drafts.index_copy_(0, slots, stacked)
+        return (stacked,)
+
+    def propose(self, h: torch.Tensor, slots, q: torch.Tensor, depth: int) -> torch.Tensor:
+        """The draft from the drafter's output h [B, H] at positions q [B], at 0-based `depth` in
+        the chain. With prompt lookup, the looked-up token where the drafter's own is less likely
+        than `prompt_lookup`, recorded at q+2 so that the chain's next lookups see it. With a
+        draft tree, the drafter's next M choices become the depth's siblings."""
+        history = self.state.history
+        if history is None:
+            top = self.drafter.propose(h, self.M + 1)  # [B, M+1]
+            draft, others = top[:, 0], top[:, 1:]
+        else:
+            top, probability = self.drafter.propose_scored(h, self.M + 1)
+            found, copied = lookup(history[slots], q)
+            copy = found & (probability[:, 0] < self.prompt_lookup)
+            draft = torch.where(copy, copied, top[:, 0])
+            # the drafter's own first among the siblings, if copied over
+            others = torch.where(copy.unsqueeze(1), top[:, : self.M], top[:, 1:])
+            self.state.record(slots, (q + 2).unsqueeze(1), draft.unsqueeze(1))
+        if self.M:
+            self.state.siblings[slots, :, depth] = others
+        return draft

@@ -1,0 +1,67 @@
+"""A rank's models: the target shard (its family from the registry) and the drafter shard, from
+disk, or random weights built on the device for `random:<shape>` targets and the `random`
+drafter (speed measurements of large shapes)."""
+
+from pathlib import Path
+
+import torch
+
+from speculative.drafter import Eagle3Drafter
+from speculative.drafter_format import (
+    drafter_config_for,
+    load_drafter,
+    read_drafter_config,
+    resolve_drafter,
+)
+from workers.loader import load_target_weights
+from workers.models import ModelConfig, model_class
+
+
+def init_random_(model: torch.nn.Module) -> None:
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0.0, 0.02)
+
+
+def load_models(
+    cfg,
+    target_cfg: ModelConfig,
+    model_dir: Path,
+    group,
+    device: torch.device,
+    dtype: torch.dtype,
+    cache_len: int,
+):
+    """-> (target, drafter); the drafter is None for plain decoding."""
+    random_target = cfg.model.startswith("random:")
+    drafter_dir = None
+    if cfg.speculative and cfg.drafter != "random":
+        drafter_dir = resolve_drafter(cfg.drafter, cfg.model, target_cfg)
+    # plain decoding captures no aux hidden states (and works for targets of any depth)
+    aux_ids = None if cfg.speculative else ()
+    if drafter_dir:
+        aux_ids = read_drafter_config(drafter_dir).aux_layer_ids
+    with torch.device(device if random_target else "cpu"):
+        target = model_class(target_cfg)(target_cfg, group, cache_len, aux_ids)
+    if random_target:
+        init_random_(target)
+    else:
+        load_target_weights(target, model_dir)
+    target.to(device, dtype)
+    drafter = None
+    if cfg.drafter == "random" and cfg.speculative:
+        with torch.device(device):
+            drafter = Eagle3Drafter(
+                drafter_config_for(target_cfg),
+                group=group,
+                max_positions=cache_len,
+                embed_tokens=target.embed_tokens,
+            )
+        init_random_(drafter)
+    elif drafter_dir is not None:
+        drafter = load_drafter(drafter_dir, group, target.embed_tokens, cache_len)
+    if drafter is not None:
+        drafter.to(device, dtype)
+    return target, drafter

@@ -1,0 +1,20 @@
+"""Target model families, keyed by the Hugging Face architecture name in config.json.
+
+A new family is a file here (its layer on the shared decoder) plus a line in MODELS, and its
+name in `config.SUPPORTED_ARCHITECTURES`."""
+
+from workers.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, load_config
+from workers.models.decoder import DecoderModel
+from workers.models.llama import Llama
+
+MODELS: dict[str, type[DecoderModel]] = {
+    "LlamaForCausalLM": Llama,
+}
+assert set(MODELS) == set(SUPPORTED_ARCHITECTURES)
+
+
+def model_class(cfg: ModelConfig) -> type[DecoderModel]:
+    return MODELS[cfg.architecture]
+
+
+__all__ = ["MODELS", "DecoderModel", "ModelConfig", "load_config", "model_class"]

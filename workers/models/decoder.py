@@ -1,0 +1,110 @@
+"""The decoder loop every target family shares: embed, layers, norm, logits, with the EAGLE-3
+auxiliary-state capture. A family file supplies its layer; nothing here knows about drafting
+beyond copying the residual stream at the configured layers into a buffer it is handed."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.attention import AttentionInputs, CachedAttention, attention_inputs
+from workers.kv_cache import ForwardBatch
+from workers.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from workers.models.config import ModelConfig
+from workers.rotary import Rotary
+
+
+class MLP(nn.Module):
+    """SwiGLU: gate and up column-parallel (one fused projection), down row-parallel."""
+
+    def __init__(self, hidden: int, intermediate: int, group=None):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], group)
+        self.down_proj = RowParallelLinear(intermediate, hidden, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with residuals (Llama's layer)."""
+
+    def __init__(self, cfg: ModelConfig, rotary: Rotary, group=None):
+        super().__init__()
+        H = cfg.hidden_size
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.self_attn = CachedAttention(
+            H, H, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, rotary, group
+        )
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = MLP(H, cfg.intermediate_size, group)
+
+    def forward(
+        self, h: torch.Tensor, batch: ForwardBatch, inputs: AttentionInputs
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), batch, inputs)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """A tensor-parallel decoder-only target. Subclasses set `layer_class`."""
+
+    layer_class = DecoderLayer
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        group=None,
+        max_positions: int = 4096,
+        aux_layer_ids: tuple[int, ...] | None = None,
+    ):
+        super().__init__()
+        self.cfg = cfg
+        if aux_layer_ids is None:
+            aux_layer_ids = cfg.default_aux_layer_ids()
+        self.aux_layer_ids = tuple(aux_layer_ids)
+        for i in self.aux_layer_ids:
+            if not 0 <= i < cfg.num_hidden_layers:
+                raise ValueError(
+                    f"aux hidden-state layer id {i} outside 0..{cfg.num_hidden_layers - 1}"
+                )
+        self.rotary = Rotary(cfg.head_dim, max_positions, cfg.rope_theta)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group)
+        self.layers = nn.ModuleList(
+            self.layer_class(cfg, self.rotary, group) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, group)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def attention_modules(self) -> list[CachedAttention]:
+        return [layer.self_attn for layer in self.layers]
+
+    def forward(
+        self, ids: torch.Tensor, batch: ForwardBatch, aux_out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [B, T] -> final normed hidden [B, T, H], aux features [B, T, len(aux) * H].
+        The aux features are the residual stream entering each aux layer (HF `hidden_states[i]`),
+        copied into `aux_out` (the resource manager's buffer) when given."""
+        H = self.cfg.hidden_size
+        if aux_out is None:
+            width = len(self.aux_layer_ids) * H
+            aux_out = ids.new_empty(*ids.shape, width, dtype=self.norm.weight.dtype)
+        h = self.embed_tokens(ids)
+        inputs = attention_inputs(batch, self.layers[0].self_attn, h.dtype)
+        for i, layer in enumerate(self.layers):
+            for j, layer_id in enumerate(self.aux_layer_ids):
+                if layer_id == i:
+                    aux_out[..., j * H : (j + 1) * H].copy_(h, non_blocking=True)
+            h = layer(h, batch, inputs)
+        return self.norm(h), aux_out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
