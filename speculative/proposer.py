@@ -70,6 +70,18 @@ class Proposer:
         last = h[rows, accepted]
         return last, self.propose(last, slots, base + accepted, depth=0)
 
+    def chain(self, seeds: list[DraftSeed], kv_len: int, graphs=None) -> None:
+        """Draft forwards 2..K from the seeds of this step's prefills and verifies, as one batch
+        (replayed from `graphs`, the chain's CUDA graphs, where one fits)."""
+        slots = torch.cat([s.slots for s in seeds])
+        draft = torch.cat([s.first_draft for s in seeds])
+        positions = torch.cat([s.positions for s in seeds])
+        self.resources.write_hidden(slots, torch.cat([s.hidden for s in seeds]))
+        if graphs is not None and graphs.fits(slots.shape[0], kv_len):
+            graphs(slots, draft, positions, kv_len=kv_len)
+        else:
+            self.draft_steps(slots, draft, positions, kv_len)
+
     def draft_steps(self, slots, draft, positions, kv_len: int) -> tuple[torch.Tensor]:
         """Draft forwards 2..K, one token per row, each launched from the previous one's tensors.
         slots, draft (the first draft), positions (of the drafter output that made it): [B]."""

@@ -5,7 +5,7 @@ from sampling.py."""
 import torch
 
 from speculative.draft_tree import chain_path, sibling_node
-from speculative.sampling import sample
+from speculative.sampling import ACCEPT_STREAM, SAMPLE_STREAM, SIBLING_STREAM, sample, uniform
 
 
 def verify_greedy(
@@ -98,3 +98,16 @@ def verify_sampled(
     node = sibling_node(K, m_found, depth)
     after = sample(probs[rows, node], u_sample[rows, (accepted + 1).clamp(max=K)])
     return _through_sibling(tokens, accepted, found, node, siblings[rows, m_found, depth], after)
+
+
+def verify_seeded(probs, drafts, siblings, seeds, chain_positions) -> tuple:
+    """`verify_sampled` with each request's counter-based uniforms: seeds [B], the chain's
+    positions [B, K+1] (the pending token's first); the other arguments as there."""
+    u_sibling = None
+    if siblings is not None:
+        M = siblings.shape[1]
+        streams = [uniform(seeds, chain_positions[:, 1:], SIBLING_STREAM + m) for m in range(M)]
+        u_sibling = torch.stack(streams, 1)
+    u_accept = uniform(seeds, chain_positions[:, 1:], ACCEPT_STREAM)
+    u_sample = uniform(seeds, chain_positions + 1, SAMPLE_STREAM)
+    return verify_sampled(probs, drafts, u_accept, u_sample, siblings, u_sibling)

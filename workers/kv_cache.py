@@ -34,6 +34,10 @@ class KVShape:
     kv_heads: int
     head_dim: int
 
+    @classmethod
+    def of(cls, model_cfg, tp: int, num_layers: int) -> "KVShape":
+        return cls(num_layers, model_cfg.num_key_value_heads // tp, model_cfg.head_dim)
+
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_layers * self.kv_heads * self.head_dim * dtype.itemsize
 
@@ -101,6 +105,18 @@ class KVCache:
 
         self.target = allocate(target)
         self.drafter = allocate(drafter) if drafter is not None else None
+
+    @classmethod
+    def for_models(cls, target, drafter, tp: int, cfg, cache_len: int, dtype, device):
+        """Caches for a rank's target and drafter (or None), as many slots as `cfg` allows."""
+        target_kv = KVShape.of(target.cfg, tp, target.cfg.num_hidden_layers)
+        drafter_kv = KVShape.of(drafter.cfg, tp, 1) if drafter is not None else None
+        per_token = sum(s.bytes_per_token(dtype) for s in (target_kv, drafter_kv) if s)
+        per_slot = per_token * cache_len
+        num_slots = slots_that_fit(cfg.max_batch_size, cfg.memory_budget_gb, per_slot)
+        kv = cls(target_kv, drafter_kv, num_slots, cache_len, dtype, device)
+        kv.bind(target.attention_modules(), drafter.midlayer.self_attn if drafter else None)
+        return kv
 
     @property
     def nbytes(self) -> int:

@@ -18,21 +18,17 @@ from speculative.plan import StepPlan
 from speculative.proposer import DraftSeed, Proposer
 from speculative.resource_manager import Eagle3ResourceManager
 from speculative.sampling import (
-    ACCEPT_STREAM,
-    SAMPLE_STREAM,
-    SIBLING_STREAM,
     process_logits,
     prompt_logprobs,
     sample_one,
     slot_probs,
     token_logprobs,
-    uniform,
 )
-from speculative.verify import verify_greedy, verify_sampled
+from speculative.verify import verify_greedy, verify_seeded
 from workers.build import load_models
 from workers.cuda_graphs import StepGraphSet, capture_step_graphs
 from workers.device import pick_device, pick_dtype
-from workers.kv_cache import KVCache, KVShape, slots_that_fit
+from workers.kv_cache import KVCache
 from workers.layers import tp_rank_size
 from workers.loader import resolve_model
 from workers.models import ModelConfig
@@ -80,51 +76,25 @@ class ModelRunner:
                 self.graphs = capture_step_graphs(self)
 
     def _allocate(self, cache_len: int) -> None:
-        tc, drafter, tp = self.target_cfg, self.drafter, self.tp
-        target_kv = KVShape(tc.num_hidden_layers, tc.num_key_value_heads // tp, tc.head_dim)
-        draft_kv = None
-        if drafter is not None:
-            dc = drafter.cfg
-            draft_kv = KVShape(1, dc.num_key_value_heads // tp, dc.head_dim)
-        per_token = sum(s.bytes_per_token(self.dtype) for s in (target_kv, draft_kv) if s)
-        self.num_slots = slots_that_fit(
-            self.cfg.max_batch_size, self.cfg.memory_budget_gb, per_token * cache_len
-        )
-        self.kv = KVCache(target_kv, draft_kv, self.num_slots, cache_len, self.dtype, self.device)
-        self.kv.bind(
-            self.target.attention_modules(), drafter.midlayer.self_attn if drafter else None
-        )
-        max_step_tokens = max(self.cfg.max_num_batched_tokens, self.num_slots * self.T)
+        cfg, tc, drafter, dev = self.cfg, self.target_cfg, self.drafter, self.device
+        self.kv = KVCache.for_models(self.target, drafter, self.tp, cfg, cache_len, self.dtype, dev)
+        self.num_slots = self.kv.num_slots
         self.resources = Eagle3ResourceManager(
             self.num_slots,
-            max_step_tokens,
+            max(cfg.max_num_batched_tokens, self.num_slots * self.T),
             len(self.target.aux_layer_ids) * tc.hidden_size,
             drafter.cfg.hidden_size if drafter else tc.hidden_size,
             self.dtype,
-            self.device,
+            dev,
         )
-        with_history = self.cfg.prompt_lookup > 0 and drafter is not None
-        self.state = SlotState(
-            self.num_slots,
-            self.K,
-            self.M,
-            tc.vocab_size,
-            cache_len if with_history else 0,
-            self.device,
-        )
+        history_len = cache_len if cfg.prompt_lookup > 0 and drafter is not None else 0
+        self.state = SlotState(self.num_slots, self.K, self.M, tc.vocab_size, history_len, dev)
         depth, sees = tree_layout(self.K, self.M)
-        self.node_depth, self.tree_sees = depth.to(self.device), sees.to(self.device)
+        self.node_depth, self.tree_sees = depth.to(dev), sees.to(dev)
         self.proposer = None
         if drafter is not None:
-            self.proposer = Proposer(
-                drafter,
-                self.state,
-                self.resources,
-                self.kv,
-                self.K,
-                self.M,
-                self.cfg.prompt_lookup,
-            )
+            parts = (self.state, self.resources, self.kv)
+            self.proposer = Proposer(drafter, *parts, self.K, self.M, cfg.prompt_lookup)
         log.info(
             "rank %d: %d request slots x %d tokens; KV cache %.1f MiB (target + drafter), "
             "Eagle3 resource manager %.1f MiB",
@@ -175,7 +145,7 @@ class ModelRunner:
         # None: no drafter, or the whole-step graph drafted already
         seeds = [s for s in seeds if s is not None]
         if seeds:
-            self._draft_chain(plan, seeds)
+            self.proposer.chain(seeds, plan.kv_len, self.graphs.chain)
         tokens, emitted, logprobs = zip(*parts)
         logprobs = [part for part in logprobs if part is not None]
         logprobs = tuple(map(torch.cat, zip(*logprobs))) if logprobs else None
@@ -302,7 +272,7 @@ class ModelRunner:
         """Verification with sampling, penalties, bias, min_tokens or logprobs, after the
         target pass (replayed from its graph where one fits). -> `_verify_greedy`'s outputs
         and the logprobs or None."""
-        K, M, B = self.K, self.M, slots.shape[0]
+        K, B = self.K, slots.shape[0]
         graphs = self.graphs.target_pass
         if graphs is not None and graphs.fits(B, kv_len):
             hidden, ids, base = graphs(slots, kv_len=kv_len)
@@ -318,20 +288,9 @@ class ModelRunner:
         if plan.all_greedy:
             tokens, emitted, path = verify_greedy(logits.argmax(-1), drafts, siblings)
         else:
-            chain = positions[:, : K + 1]  # [B, K+1] the chain's positions
-            seeds = self.state.seeds[slots]
-            u_sibling = None
-            if M:
-                u = [uniform(seeds, chain[:, 1:], SIBLING_STREAM + m) for m in range(M)]
-                u_sibling = torch.stack(u, 1)
-            tokens, emitted, path = verify_sampled(
-                slot_probs(plan, self.state, logits, slots),
-                drafts,
-                uniform(seeds, chain[:, 1:], ACCEPT_STREAM),
-                uniform(seeds, chain + 1, SAMPLE_STREAM),
-                siblings,
-                u_sibling,
-            )
+            probs = slot_probs(plan, self.state, logits, slots)
+            seeds, chain = self.state.seeds[slots], positions[:, : K + 1]
+            tokens, emitted, path = verify_seeded(probs, drafts, siblings, seeds, chain)
         logprobs = None
         if plan.num_logprobs is not None:  # the model's own, before penalties
             rows = torch.arange(B, device=self.device).unsqueeze(1)
@@ -368,14 +327,3 @@ class ModelRunner:
         self.resources.write_hidden(slots, last)
         self.proposer.draft_steps(slots, first_draft, base + emitted - 1, kv_len)
         return tokens, emitted, base, path
-
-    def _draft_chain(self, plan: StepPlan, seeds: list[DraftSeed]) -> None:
-        slots = torch.cat([s.slots for s in seeds])
-        draft = torch.cat([s.first_draft for s in seeds])
-        positions = torch.cat([s.positions for s in seeds])
-        self.resources.write_hidden(slots, torch.cat([s.hidden for s in seeds]))
-        graphs = self.graphs.chain
-        if graphs is not None and graphs.fits(slots.shape[0], plan.kv_len):
-            graphs(slots, draft, positions, kv_len=plan.kv_len)
-        else:
-            self.proposer.draft_steps(slots, draft, positions, kv_len=plan.kv_len)
