@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The rooms refactor on one GPU (no regression). PARTS picks, each in its own device call:
+#   checks  tests/test_gpu.py on this tree (graphs equal eager, speculative equals plain, no host
+#           sync, the eager verification after the graphed target pass)
+#   bench   plain and EAGLE-3 K=5, overlap on, graphs on, batch 1, 8, 32, GSM8K test prompts,
+#           256 tokens: the base checkout (.device/base, `git archive <base> | tar -x`) and this
+#           tree, alternately (base, head, base, head) on the same warm machine
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh"
+ROOT=$PWD
+PARTS=" ${PARTS:-checks bench} "
+if [[ "$PARTS" == *" checks "* ]]; then
+    EAGLESERVE_GPU_MODEL=$M EAGLESERVE_GPU_DRAFTER=$D timeout 500 python3 tests/test_gpu.py 2>&1 \
+        | tee $OUT/gpu_checks.log | quiet 14
+fi
+bench() {  # NAME TREE
+    (cd "$2" && PYTHONPATH=/tmp/site:$PWD timeout 280 python3 -m deployments.cli bench \
+        --model $M --drafter "$ROOT/$D" --dataset "$ROOT/$DATA" --output-len 256 \
+        --num-prompts 32 --batch 1,8,32 --modes plain,eagle -k 5 --overlap on --cuda-graphs on \
+        -o $OUT/bench_$1.json 2>&1 | quiet 8)
+}
+if [[ "$PARTS" == *" bench "* ]]; then
+    for round in ${ROUNDS:-1}; do
+        bench base_$round .device/base
+        bench head_$round .
+    done
+fi
