@@ -26,32 +26,30 @@ class SamplingParams(BaseModel):
         default_factory=list, max_length=64
     )  # end like EOS (vLLM's extension)
     ignore_eos: bool = False
-    min_tokens: int = Field(
-        0, ge=0
-    )  # vLLM's: no EOS, stop token or stop string ends the output before this many
-    # OpenAI's: logits -= frequency_penalty * count + presence_penalty * (count > 0), over the output so far
+    # vLLM's: no EOS, stop token or stop string ends the output before this many
+    min_tokens: int = Field(0, ge=0)
+    # OpenAI's, over the output so far:
+    # logits -= frequency_penalty * count + presence_penalty * (count > 0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    # vLLM's (and Hugging Face's): the logits of tokens in the prompt or the output so far are divided
-    # by it where positive, multiplied where negative; before the two above. 1: off
+    # vLLM's (and Hugging Face's): the logits of tokens in the prompt or the output so far are
+    # divided by it where positive, multiplied where negative; before the two above. 1: off
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     # OpenAI's: added to the logits of these token ids
     logit_bias: dict[int, LogitBiasValue] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
-    prior_output_tokens: int = Field(
-        0, ge=0
-    )  # the prompt ends with this request's earlier output (resumed)
-    prior_text_sent: int = Field(0, ge=0)  # characters of that output's text the client already has
-    logprobs: int | None = Field(
-        None, ge=0, le=20
-    )  # None: off; else the chosen token's + this many top ones
-    prompt_logprobs: int | None = Field(
-        None, ge=0, le=20
-    )  # the same for the prompt's tokens (after the first)
+    # the prompt ends with this request's earlier output (resumed)
+    prior_output_tokens: int = Field(0, ge=0)
+    prior_text_sent: int = Field(0, ge=0)  # characters of that output's text the client has
+    # None: off; else the chosen token's + this many top ones
+    logprobs: int | None = Field(None, ge=0, le=20)
+    # the same for the prompt's tokens (after the first)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
     @field_validator("temperature")
     @classmethod
     def _tiny_is_greedy(cls, t: float) -> float:
-        # below 1e-5 sampling is the argmax anyway, and logits / T overflow float32 (NaN probabilities)
+        # below 1e-5 sampling is the argmax anyway, and logits / T overflow float32 (NaN
+        # probabilities)
         return 0.0 if t < GREEDY_BELOW else t
 
     @model_validator(mode="after")

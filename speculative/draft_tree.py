@@ -20,7 +20,8 @@ def chain_path(B: int, K: int, device) -> torch.Tensor:
 
 
 def tree_layout(K: int, M: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> depth of each node [T], and `sees` [T, T]: node j is node i or on its path from the root."""
+    """-> depth of each node [T], and `sees` [T, T]: node j is node i or on its path from the
+    root."""
     T = 1 + K * (M + 1)
     depth = torch.cat([torch.arange(K + 1), torch.arange(1, K + 1).repeat(M)])
     parent = torch.cat([torch.tensor([0]), torch.arange(K), torch.arange(K).repeat(M)])

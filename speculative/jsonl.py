@@ -6,7 +6,8 @@ from collections.abc import Iterator
 
 
 def read_rows(path) -> Iterator[tuple[str, object]]:
-    """(file:line, row) for each non-blank line; a line that is not JSON raises ValueError naming it."""
+    """(file:line, row) for each non-blank line; a line that is not JSON raises ValueError naming
+    it."""
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as f:
         for number, line in enumerate(f, 1):

@@ -39,8 +39,8 @@ def target_probs(
     min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits [B, T, V] float32, per-row params [B] -> the distribution to sample from, [B, T, V]:
-    temperature, min-p, top-k, top-p (vLLM's order). Greedy rows (temperature 0) become one-hot at the
-    argmax, so one rule serves both modes."""
+    temperature, min-p, top-k, top-p (vLLM's order). Greedy rows (temperature 0) become one-hot at
+    the argmax, so one rule serves both modes."""
     greedy = temperature == 0
     scaled = logits / torch.where(greedy, 1.0, temperature).view(-1, 1, 1)
     if (
@@ -84,8 +84,9 @@ def apply_penalties(
     in_prompt: torch.Tensor,
 ) -> torch.Tensor:
     """logits [B, T, V], counts [B, T, V] of each token in the output before each position, per-row
-    penalties [B], in_prompt [B, V] -> the penalised logits: vLLM's repetition penalty over the tokens
-    of the prompt and the output, then OpenAI's frequency and presence penalties over the output."""
+    penalties [B], in_prompt [B, V] -> the penalised logits: vLLM's repetition penalty over the
+    tokens of the prompt and the output, then OpenAI's frequency and presence penalties over the
+    output."""
     seen = (counts > 0) | in_prompt.unsqueeze(1)
     r = torch.where(seen, repetition.view(-1, 1, 1), 1.0)
     logits = torch.where(logits > 0, logits / r, logits * r)
@@ -96,8 +97,8 @@ def token_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, num_top: int
 ) -> tuple[torch.Tensor, ...]:
     """logits [B, T, V], tokens [B, T] -> the tokens' log-probabilities [B, T], and the ids and
-    log-probabilities of the num_top most likely tokens [B, T, num_top]: the model's own distribution,
-    before temperature, top-k and top-p (what vLLM reports by default)."""
+    log-probabilities of the num_top most likely tokens [B, T, num_top]: the model's own
+    distribution, before temperature, top-k and top-p (what vLLM reports by default)."""
     logp = logits.float().log_softmax(-1)
     top = logp.topk(num_top, dim=-1)
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), top.indices, top.values

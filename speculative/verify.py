@@ -11,12 +11,12 @@ from speculative.sampling import ACCEPT_STREAM, SAMPLE_STREAM, SIBLING_STREAM, s
 def verify_greedy(
     target_ids: torch.Tensor, drafts: torch.Tensor, siblings: torch.Tensor | None = None
 ) -> tuple:
-    """target_ids [B, T] the target's argmax at every node of the draft tree (speculative/draft_tree.py;
-    T = K+1 for a chain), drafts [B, K] the chain, siblings [B, M, K] or None -> (tokens [B, K+1],
-    num_emitted [B], path [B, K+1]: the node whose logits chose each token).
-    Accept the longest prefix of the chain where draft == target argmax; where it stops short of K,
-    the sibling of the first rejected draft that equals the target's token there, if any; then the
-    target's token after the last accepted node (bonus)."""
+    """target_ids [B, T] the target's argmax at every node of the draft tree
+    (speculative/draft_tree.py; T = K+1 for a chain), drafts [B, K] the chain, siblings [B, M, K] or
+    None -> (tokens [B, K+1], num_emitted [B], path [B, K+1]: the node whose logits chose each
+    token). Accept the longest prefix of the chain where draft == target argmax; where it stops
+    short of K, the sibling of the first rejected draft that equals the target's token there, if
+    any; then the target's token after the last accepted node (bonus)."""
     B, K = drafts.shape
     accepted = (drafts == target_ids[:, :K]).int().cumprod(-1).sum(-1)
     tokens = target_ids[:, : K + 1]
@@ -57,13 +57,13 @@ def verify_sampled(
 ) -> tuple:
     """probs [B, T, V] target distributions at every node of the draft tree, drafts [B, K] the chain
     (greedy drafts: q is one-hot), u_accept [B, K] and u_sample [B, K+1] uniforms per position;
-    siblings [B, M, K] with u_sibling [B, M, K], or None -> (tokens [B, K+1], num_emitted [B], path [B, K+1]).
-    The bonus token after `a` accepted drafts draws with u_sample[:, a], the uniform of its position.
-    Draft x is accepted with probability p(x); on rejection, x is removed from p (max(p - q, 0) for
-    one-hot q) and the siblings at that depth are tried in turn the same way against what is left,
-    each accepted with its renormalised probability and removed when rejected; then a token is drawn
-    from the remainder. After an accepted sibling the bonus is drawn from p at the sibling's node.
-    The result is distributed exactly as p."""
+    siblings [B, M, K] with u_sibling [B, M, K], or None -> (tokens [B, K+1], num_emitted [B], path
+    [B, K+1]). The bonus token after `a` accepted drafts draws with u_sample[:, a], the uniform of
+    its position. Draft x is accepted with probability p(x); on rejection, x is removed from p
+    (max(p - q, 0) for one-hot q) and the siblings at that depth are tried in turn the same way
+    against what is left, each accepted with its renormalised probability and removed when rejected;
+    then a token is drawn from the remainder. After an accepted sibling the bonus is drawn from p at
+    the sibling's node. The result is distributed exactly as p."""
     B, K = drafts.shape
     p_draft = probs[:, :K].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)  # [B, K]
     accepted = (u_accept < p_draft).int().cumprod(-1).sum(-1)  # [B]
