@@ -68,7 +68,8 @@ def fresh_drafts(
     )
     result = runner.execute(plan).result()
     assert result.tokens[0, 0] == context[-1]
-    return runner.state.drafts[0, : runner.K].clone(), runner.state.siblings[0, :, : runner.K].clone()
+    state = runner.state
+    return state.drafts[0, : runner.K].clone(), state.siblings[0, :, : runner.K].clone()
 
 
 def run_with_oracle(
@@ -90,10 +91,8 @@ def run_with_oracle(
     )
     rng = random.Random(seed)
     index, requests, pending, steps, checks = {}, {}, list(range(len(prompts))), 0, 0
-    expect, siblings_taken = (
-        {},
-        0,
-    )  # request -> (output length before the step, tokens it must emit)
+    # request -> (output length before the step, tokens it must emit)
+    expect, siblings_taken = {}, 0
     while pending or engine.has_work:
         while pending and joins[pending[0]] <= steps:
             i = pending.pop(0)
@@ -299,9 +298,8 @@ def test_penalties_and_logit_bias_greedy_equal_the_reference(tiny_dir, tiny_draf
         penalised_greedy(tiny_dir, prompt, params[1])
         for prompt in (prompts[0], prompts[5], prompts[6])
     ]
-    assert (
-        refs[0] != plain[0] and refs[5] != plain[1] and refs[6] != plain[2]
-    )  # the penalties and the bias are felt
+    # the penalties and the bias are felt
+    assert refs[0] != plain[0] and refs[5] != plain[1] and refs[6] != plain[2]
     engine = tiny_engine(tiny_dir, max_batch_size=4)
     assert [r.output_ids for r in run_to_completion(engine, prompts, params, JOINS)] == refs
     for t in range(1, 24):
@@ -310,10 +308,8 @@ def test_penalties_and_logit_bias_greedy_equal_the_reference(tiny_dir, tiny_draf
         ]
         got = run_to_completion(engine, [p + ref[:t] for p, ref in zip(prompts, refs)], resumed)
         assert [r.output_ids for r in got] == [ref[t:] for ref in refs], t
-    for siblings in (
-        0,
-        2,
-    ):  # with a draft tree, a sibling's logits follow the drafts on its own path
+    # with a draft tree, a sibling's logits follow the drafts on its own path
+    for siblings in (0, 2):
         engine = tiny_engine(
             tiny_dir,
             tiny_drafter_dir,
@@ -371,11 +367,8 @@ def test_min_tokens_holds_back_stop_tokens(tiny_dir, tiny_drafter_dir, prompts, 
     assert all(refs[i] == ref[:j] for i, (ref, j) in enumerate(cases) if i % 2 == 0)
     engine = tiny_engine(tiny_dir, max_batch_size=4)
     assert [r.output_ids for r in run_to_completion(engine, prompts, params, JOINS)] == refs
-    for t in (
-        1,
-        3,
-        9,
-    ):  # resumed after t tokens (as the server resubmits): what is left of min_tokens
+    # resumed after t tokens (as the server resubmits): what is left of min_tokens
+    for t in (1, 3, 9):
         resumed = [
             p.model_copy(
                 update={
@@ -501,7 +494,9 @@ def test_eager_verification_after_the_graphed_target_pass(
         engine = tiny_engine(tiny_dir, drafter, k=3, max_batch_size=4, draft_siblings=siblings or 0)
         runner = engine.executor
         if graphed:
-            runner.graphs.target_pass = EagerGraphs(runner._target_pass, runner.resources.dummy_slot)
+            runner.graphs.target_pass = EagerGraphs(
+                runner._target_pass, runner.resources.dummy_slot
+            )
         outputs.append([r.output_ids for r in run_to_completion(engine, prompts, params, JOINS)])
     assert outputs[0] == outputs[1]
     assert runner.graphs.target_pass.calls > 10
@@ -534,10 +529,8 @@ def test_greedy_smollm2_trained_drafter(smollm2_prompts, smollm2_greedy_64, smol
     from conftest import _smollm2
 
     tokens_per_step = []
-    for siblings in (
-        0,
-        1,
-    ):  # the chain, then the draft tree: still exact, and more tokens per target pass
+    # the chain, then the draft tree: still exact, and more tokens per target pass
+    for siblings in (0, 1):
         engine = _smollm2("default", num_draft_tokens=3, max_batch_size=8, draft_siblings=siblings)
         requests = run_to_completion(
             engine, smollm2_prompts[:8], SamplingParams(max_tokens=64), [0, 0, 0, 1, 2, 4, 8, 12]
@@ -761,9 +754,8 @@ def test_sampled_distribution_matches_target(v16_dirs, params_name, drafts, k, s
     assert p_value > 1e-3
     if drafts == "oracle":
         stats = engine.scheduler.stats
-        assert (
-            stats.accepted_at[0] > 0.3 * stats.num_verify_rows
-        )  # drafts carry real probability mass
+        # drafts carry real probability mass
+        assert stats.accepted_at[0] > 0.3 * stats.num_verify_rows
 
 
 def accept_always(probs, drafts, u_accept, u_sample, *_):

@@ -263,20 +263,16 @@ def test_held_back_text_is_sent_when_the_request_ends(tok_dir, ends_on):
         ]
     expected = " one two" if ends_on == "eos" else " one two three"
     assert r.finish_reason == ("stop" if ends_on == "eos" else "length")
-    assert (
-        "".join(deltas) == expected and deltas[-1] == expected[len(" one ") :]
-    )  # "two" was held back
+    # "two" was held back
+    assert "".join(deltas) == expected and deltas[-1] == expected[len(" one ") :]
 
 
 @pytest.mark.parametrize(
     "text, stop, expected",
     [
         (" one two three four five six", "hree fo", " one two t"),  # a stop string across tokens
-        (
-            " Grüße aus Köln! 東京タワー 🚀 ok",
-            "タワー🚀",
-            " Grüße aus Köln! 東京タワー 🚀 ok",
-        ),  # held back, never stops
+        # held back, never stops
+        (" Grüße aus Köln! 東京タワー 🚀 ok", "タワー🚀", " Grüße aus Köln! 東京タワー 🚀 ok"),
     ],
 )
 def test_resumed_request_goes_on_from_the_sent_text(tok_dir, text, stop, expected):
@@ -549,8 +545,7 @@ def test_overlap_equals_no_overlap_and_extra_pass_is_silent(eos_dir, tiny_drafte
                 o.finish_reason is None for o in outs[:-1]
             )
         if overlap:
-            assert (
-                engine.scheduler.stats.num_extra_rows > 0
-            )  # the extra pass happened ... and was dropped
+            # the extra pass happened ... and was dropped
+            assert engine.scheduler.stats.num_extra_rows > 0
     assert runs[True] == runs[False]
     assert {reason for _, reason in runs[True]} == {"stop", "length"}

@@ -88,9 +88,8 @@ def test_prompt_order_puts_long_prompts_first():
     assert sorted(plain) == sorted(texts) and plain == prompt_order(texts, DistillConfig(seed=3))
     long_first = prompt_order(texts, DistillConfig(seed=3, long_prompts_first_chars=20))
     assert [len(t) >= 20 for t in long_first] == [True] * 4 + [False] * 4
-    assert [t for t in plain if len(t) >= 20] == long_first[
-        :4
-    ]  # the shuffled order within each group
+    # the shuffled order within each group
+    assert [t for t in plain if len(t) >= 20] == long_first[:4]
     assert [t for t in plain if len(t) < 20] == long_first[4:]
 
 
@@ -157,10 +156,8 @@ def test_loss_on_selected_rows_equals_loss_over_every_row(prompt_weight):
     loss over the whole padded batch with the target's distributions rolled by one position."""
     torch.manual_seed(2)
     B, T, V, depths = 3, 16, 11, 4
-    lengths, prompt_lens = (
-        torch.tensor([16, 9, 12]),
-        torch.tensor([5, 9, 3]),
-    )  # one row is prompt only
+    # one row is prompt only
+    lengths, prompt_lens = torch.tensor([16, 9, 12]), torch.tensor([5, 9, 3])
     logits = [torch.randn(B, T, V) for _ in range(depths)]
     probs = torch.softmax(2 * torch.randn(B, T, V), -1)
     is_in_draft = torch.rand(B, T) > 0.2
@@ -235,9 +232,8 @@ def test_distillation_continues_in_parts(tmp_path):
         update={"distill": cfg.distill.model_copy(update={"num_prompts": 100})}
     )
     assert train_drafter(everything, distill_only=True)["num_sequences"] == len(QUESTIONS)
-    assert (
-        train_drafter(everything, distill_only=True)["num_parts"] == 2
-    )  # nothing left: no third part
+    # nothing left: no third part
+    assert train_drafter(everything, distill_only=True)["num_parts"] == 2
     parts = [TokenStore.load(p) for p in data_parts(tmp_path / "data")]
     tokenizer = LLMEngine(
         EngineConfig(model=str(model), drafter="none", device="cpu", max_batch_size=1)
@@ -309,9 +305,8 @@ def test_distillation_passes(tmp_path):
     assert [s[: len(g)] for s, g in zip(seqs[:n], greedy)] == greedy and all(
         s[len(g) :] in ([], [eos]) for s, g in zip(seqs[:n], greedy)
     )
-    assert (
-        sum(s != f for s, f in zip(seqs[n:], seqs[:n])) >= n // 2
-    )  # sampled at 1.5: mostly other text
+    # sampled at 1.5: mostly other text
+    assert sum(s != f for s, f in zip(seqs[n:], seqs[:n])) >= n // 2
     with pytest.raises(ValueError, match="num_passes"):
         DistillConfig(num_passes=2, keep_undistilled_prompts=True)
 
@@ -345,9 +340,8 @@ def test_distillation_in_processes_equals_one_engine(tmp_path):
         data = load_data(tmp_path / f"data{workers}")
         seqs.append([(data.seq(i).tolist(), int(data.prompt_lens[i])) for i in range(len(data))])
     assert seqs[1] == seqs[0]
-    assert len({tuple(s[:p]) for s, p in seqs[0]}) == len(
-        QUESTIONS
-    )  # every prompt, 5 of them twice
+    # every prompt, 5 of them twice
+    assert len({tuple(s[:p]) for s, p in seqs[0]}) == len(QUESTIONS)
 
 
 def test_distillation_process_that_dies_fails_the_run(tmp_path):
@@ -610,8 +604,8 @@ def trained(tmp_path_factory):
         checkpoint_every=20,
         device="cpu",
         time_limit_s=0.001,
-        export_dtype="int8",
-    )  # the default drafter's storage; later tests load it
+        export_dtype="int8",  # the default drafter's storage; later tests load it
+    )
     first = train_drafter(cfg)  # stops after one step (time limit) with a checkpoint
     summary = train_drafter(cfg.model_copy(update={"time_limit_s": None}))  # resumes
     return model, root / "drafter", first, summary

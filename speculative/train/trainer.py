@@ -62,9 +62,8 @@ def load_source(path: str, target_cfg: ModelConfig, target_embeddings=None) -> E
         source = load_drafter(Path(path), target_embeddings=target_embeddings)
     except (OSError, KeyError, RuntimeError, ValueError, SafetensorError) as e:
         raise ValueError(f"init_from {path} is not a usable drafter: {e}") from e
-    aux = (
-        source.cfg.aux_layer_ids or target_cfg.default_aux_layer_ids()
-    )  # load_drafter checked the rest
+    # load_drafter checked the rest
+    aux = source.cfg.aux_layer_ids or target_cfg.default_aux_layer_ids()
     if max(aux) >= target_cfg.num_hidden_layers:
         raise ValueError(
             f"init_from {path} reads aux layers {aux}; the target has {target_cfg.num_hidden_layers}"
@@ -75,9 +74,8 @@ def load_source(path: str, target_cfg: ModelConfig, target_embeddings=None) -> E
 def checkpoint_state(ckpt: Path) -> dict | None:
     """The trainer state of the checkpoint in `ckpt`, None when there is none."""
     tmp = ckpt.with_name(ckpt.name + ".tmp")
-    if (
-        not ckpt.exists() and (tmp / "trainer_state.json").is_file()
-    ):  # killed between save_checkpoint's renames
+    # killed between save_checkpoint's renames
+    if not ckpt.exists() and (tmp / "trainer_state.json").is_file():
         tmp.rename(ckpt)
     try:
         return json.loads((ckpt / "trainer_state.json").read_text())
@@ -250,9 +248,8 @@ def train_step(
     cfg: TrainConfig, target: Llama, drafter: Eagle3Drafter, draft_to_target, batch, device, dtype
 ):
     ids, lengths, prompt_lens = batch
-    rows, row_weight = loss_rows(
-        lengths, prompt_lens, ids.shape[1], cfg.prompt_loss_weight
-    )  # host: no GPU sync
+    # host: no GPU sync
+    rows, row_weight = loss_rows(lengths, prompt_lens, ids.shape[1], cfg.prompt_loss_weight)
     ids, rows, row_weight = (x.to(device, non_blocking=True) for x in (ids, rows, row_weight))
     hidden, aux = target_features(target, ids)  # [B, T, H], [B, T, 3H]
     # row t learns the target's distribution at t+1, inside the sequence as x[t+2] exists

@@ -34,19 +34,16 @@ def _layer(
     x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
     q, k, v = attn.qkv_proj(x).split([heads * D, kv_heads * D, kv_heads * D], dim=-1)
     q = attn.rotary(q.view(B, T, heads, D), positions).transpose(1, 2)  # [B, heads, T, D]
-    keys.append(
-        attn.rotary(k.view(B, T, kv_heads, D), positions).transpose(1, 2)
-    )  # [B, kv_heads, T, D]
+    # [B, kv_heads, T, D]
+    keys.append(attn.rotary(k.view(B, T, kv_heads, D), positions).transpose(1, 2))
     values.append(v.view(B, T, kv_heads, D).transpose(1, 2))
     depth = len(keys) - 1
-    all_keys = torch.cat(keys, dim=2).repeat_interleave(
-        heads // kv_heads, dim=1
-    )  # [B, heads, (depth+1)T, D]
+    # [B, heads, (depth+1)T, D]
+    all_keys = torch.cat(keys, dim=2).repeat_interleave(heads // kv_heads, dim=1)
     all_values = torch.cat(values, dim=2).repeat_interleave(heads // kv_heads, dim=1)
     mask = ttt_mask(T, depth, embeds.device)  # [T, (depth+1)T]
-    out = F.scaled_dot_product_attention(
-        q, all_keys, all_values, attn_mask=mask
-    )  # [B, heads, T, D]
+    # [B, heads, T, D]
+    out = F.scaled_dot_product_attention(q, all_keys, all_values, attn_mask=mask)
     h = hidden + attn.o_proj(out.transpose(1, 2).reshape(B, T, heads * D))
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
