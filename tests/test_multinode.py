@@ -1,6 +1,6 @@
 """Multi-node placement on one machine: a `ray.cluster_utils.Cluster` whose head has no CPUs or GPUs
-(it takes no replicas, like cluster.yaml's) and two worker nodes of two fake GPUs each. The ranks run
-the CPU backend (gloo), but each rank's bundle also reserves a GPU (`rank_resources`), so a TP=2
+(it takes no replicas, like cluster.yaml's) and two worker nodes of two fake GPUs each. The ranks
+run the CPU backend (gloo), but each rank's bundle also reserves a GPU (`rank_resources`), so a TP=2
 replica fills one node: its group is packed there, the two replicas land on the two worker nodes,
 and both serve the HTTP traffic sent with the official openai client."""
 

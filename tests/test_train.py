@@ -131,7 +131,8 @@ def test_ttt_loss_weighs_prompt_positions():
 
 
 def old_ttt_loss(logits, target_probs, is_in_draft, lengths, prompt_lens, decay, prompt_weight):
-    """The loss as it was defined up to session 6, over every row of the padded batch: the reference."""
+    """The loss as it was defined up to session 6, over every row of the padded
+    batch: the reference."""
     B, T, _ = target_probs.shape
     t = torch.arange(T).view(1, T)
     probs_next = target_probs.roll(-1, dims=1)
@@ -250,7 +251,8 @@ def test_distillation_continues_in_parts(tmp_path):
     assert [tuple(data.seq(i).tolist()) for i in range(len(data))] == [
         tuple(s.seq(i).tolist()) for s in parts for i in range(len(s))
     ]
-    # without the first part, skip_prompts continues the order where it stopped: the second part again
+    # without the first part, skip_prompts continues the order where it
+    # stopped: the second part again
     lost = everything.model_copy(
         update={
             "data": str(tmp_path / "data2"),
@@ -412,7 +414,8 @@ def test_token_store_parts_roundtrip(tmp_path, largest):
 
 def test_parts_survive_gaps_and_killed_writes(tmp_path, monkeypatch):
     """A new part follows the highest one (a gap left by a deleted part is not filled over an
-    existing one), a killed write leaves no part, and a gap or a part cut short is an error naming it."""
+    existing one), a killed write leaves no part, and a gap or a part cut short is
+    an error naming it."""
     for i in range(3):
         save_parts(tmp_path, TokenStore.from_lists([[i, i]], [1]))
     (tmp_path / "part-00001.safetensors").unlink()
@@ -626,10 +629,10 @@ def drafter_tensors(path) -> dict[str, torch.Tensor]:
 
 
 def test_training_starts_from_a_drafter(trained, tmp_path):
-    """init_from copies a drafter's weights: the first step's loss is the trained drafter's, far below
-    a fresh one's. With another vocabulary size the vocabulary is the one the data picks, the head rows
-    of the tokens both vocabularies hold come from the source, and the others are the target's rows
-    mapped as the source's were."""
+    """init_from copies a drafter's weights: the first step's loss is the trained drafter's, far
+    below a fresh one's. With another vocabulary size the vocabulary is the one the data picks, the
+    head rows of the tokens both vocabularies hold come from the source, and the others are the
+    target's rows mapped as the source's were."""
     model, drafter, _, _ = trained
     base = TrainConfig(
         model=str(model),
@@ -712,7 +715,8 @@ def test_trained_drafter_beats_random(trained, tmp_path):
 
 def test_checkpoint_survives_a_kill_while_saving(trained, tmp_path, monkeypatch):
     """A run killed while writing a checkpoint resumes from the last whole one and ends with the
-    weights of a run straight through; a checkpoint file cut short is an error naming the checkpoint."""
+    weights of a run straight through; a checkpoint file cut short is an error
+    naming the checkpoint."""
     model, drafter, _, _ = trained
     straight = TrainConfig(
         model=str(model),
@@ -755,8 +759,8 @@ def test_checkpoint_survives_a_kill_while_saving(trained, tmp_path, monkeypatch)
 
 
 def test_training_target_captures_the_drafters_aux_layers(trained, tmp_path):
-    """Trained further from a drafter that names its aux layers, the drafter is fed those layers (the
-    ones inference captures for it), on the first run and on resume."""
+    """Trained further from a drafter that names its aux layers, the drafter is fed those layers
+    (the ones inference captures for it), on the first run and on resume."""
     model, drafter, _, _ = trained
     dcfg = drafter_config_for(ModelConfig.from_hf(load_config(model)), 256, aux_layer_ids=(0, 1, 3))
     save_drafter(tmp_path / "source", dcfg, random_drafter_state(dcfg))
@@ -787,7 +791,8 @@ def test_training_target_captures_the_drafters_aux_layers(trained, tmp_path):
 
 
 def test_init_from_refuses_a_checkpoint_to_resume(trained, tmp_path):
-    """init_from with a checkpoint of the output present would be ignored (the run resumes): refused."""
+    """init_from with a checkpoint of the output present would be ignored (the
+    run resumes): refused."""
     model, drafter, _, _ = trained
     cfg = TrainConfig(
         model=str(model),

@@ -27,7 +27,8 @@ class DistillConfig(BaseModel):
     num_workers: int = Field(1, ge=1, le=16)
     time_limit_s: float | None = Field(None, gt=0)  # stop admitting prompts after this
     # prompts of at least this many characters go first (0: none do): long inputs are rare in the
-    # training prompts, and the drafter copies poorly from them (BENCHMARKS.md, "where the drafts miss")
+    # training prompts, and the drafter copies poorly from them
+    # (BENCHMARKS.md, "where the drafts miss")
     long_prompts_first_chars: int = Field(0, ge=0)
     # keep the prompts left when the time limit stops admission, as sequences without a response
     # (they only teach anything with TrainConfig.prompt_loss_weight > 0)

@@ -243,7 +243,8 @@ def generate_in_waves(engine, jobs):
 def self_distill(engine, cfg: DistillConfig, skip: int = 0) -> TokenStore:
     """Regenerate responses with the target through our engine (drafter "none") for the prompts of
     the distillation order after the first `skip` (those earlier runs covered), until the time limit
-    stops admission. Every prompt taken, distilled or kept undistilled, becomes one sequence, in order."""
+    stops admission. Every prompt taken, distilled or kept undistilled, becomes one
+    sequence, in order."""
     total, order = distill_order(cfg, engine.tokenizer, skip)
     results = tqdm(
         generate_in_waves(engine, distill_jobs(order, total, cfg.time_limit_s)),
@@ -333,8 +334,8 @@ def _next_result(results, workers):
 
 
 def _distilled_store(done: dict, order, cfg: DistillConfig) -> TokenStore:
-    """The sequences of jobs 0..len(done)-1, then (with keep_undistilled_prompts) the prompts left in
-    `order` without a response."""
+    """The sequences of jobs 0..len(done)-1, then (with keep_undistilled_prompts) the prompts left
+    in `order` without a response."""
     seqs = [done[i][0] + done[i][1] for i in range(len(done))]
     prompt_lens = [len(done[i][0]) for i in range(len(done))]
     if cfg.keep_undistilled_prompts:

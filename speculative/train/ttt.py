@@ -16,7 +16,8 @@ from speculative.drafter import Eagle3Drafter
 
 def ttt_mask(T: int, depth: int, device) -> torch.Tensor:
     """Which keys a depth-`depth` query may read: [T, (depth+1) * T] bool over the keys of depths
-    0..depth concatenated. Block 0: key s <= t - depth. Block i >= 1: only key s == t - depth + i."""
+    0..depth concatenated. Block 0: key s <= t - depth. Block i >= 1: only key
+    s == t - depth + i."""
     t = torch.arange(T, device=device).view(T, 1)
     s = torch.arange(T, device=device).view(1, T)
     blocks = [s <= t - depth] + [s == t - depth + i for i in range(1, depth + 1)]
