@@ -65,8 +65,8 @@ def test_save_load_round_trip(tmp_path, tiny_dir, with_embeddings):
 
 
 def test_sharded_save(tmp_path, tiny_dir):
-    """Over `max_shard_bytes` the weights go into Hugging Face style shards with an index, which load
-    to the same drafter; saving again into that directory leaves no stale shard behind."""
+    """Over `max_shard_bytes` the weights go into Hugging Face style shards with an index, which
+    load to the same drafter; saving again into that directory leaves no stale shard behind."""
     target_cfg = ModelConfig.from_hf(load_config(tiny_dir))
     cfg = drafter_config_for(target_cfg, draft_vocab_size=40)
     state = random_drafter_state(cfg, seed=5, with_embeddings=True)
@@ -95,7 +95,8 @@ def test_sharded_save(tmp_path, tiny_dir):
 
 def test_int8_storage(tmp_path, tiny_dir):
     """quantize_int8: every 2-D weight as int8 rows + a scale each, under 0.55x the bfloat16 bytes;
-    it loads to weights within half a step of each row's scale, and the drafter proposes as before."""
+    it loads to weights within half a step of each row's scale, and the drafter
+    proposes as before."""
     target_cfg = ModelConfig.from_hf(load_config(tiny_dir))
     cfg = drafter_config_for(target_cfg, draft_vocab_size=40)
     state = random_drafter_state(cfg, seed=7, with_embeddings=True)
@@ -214,7 +215,8 @@ def test_authors_checkpoint_runs_in_engine(tmp_path, tiny_dir):
         engine.step()
         proposed |= set(engine.executor.state.drafts[:-1].flatten().tolist())
     assert [r.output_ids for r in requests] == [r.output_ids for r in plain]
-    # drafts are target ids reached through d2t: members of the draft vocabulary, beyond its first 24 ids
+    # drafts are target ids reached through d2t: members of the draft vocabulary,
+    # beyond its first 24 ids
     assert proposed <= set(vocab.tolist()) | {0}
     assert max(proposed) >= 24
 
@@ -259,7 +261,8 @@ def test_pickled_checkpoints_are_refused_unopened(tmp_path):
 
 
 def test_random_default_drafters_do_not_collide(tmp_path, monkeypatch):
-    """Two different targets in directories of the same name each get a default drafter of their shape."""
+    """Two different targets in directories of the same name each get a default
+    drafter of their shape."""
     monkeypatch.setenv("EAGLESERVE_CACHE", str(tmp_path / "cache"))
     from conftest import write_tiny_llama
 
@@ -278,7 +281,8 @@ def test_random_default_drafters_do_not_collide(tmp_path, monkeypatch):
 
 
 def _small_drafter(tmp_path, mutate=None, **changes):
-    """A drafter for a target of 64 tokens and hidden size 64, draft vocabulary 16, after `mutate(state)`."""
+    """A drafter for a target of 64 tokens and hidden size 64, draft vocabulary 16,
+    after `mutate(state)`."""
     from dataclasses import replace
 
     target = ModelConfig.from_hf(

@@ -1,6 +1,7 @@
 """GPU checks (skipped without CUDA): CUDA-graph output equals eager output, speculative equals
 plain, and no host synchronisation inside a step under torch.cuda.set_sync_debug_mode("error").
-On the H200 machine: `python tests/test_gpu.py` (no pytest there) or `python -m pytest tests/test_gpu.py`."""
+On the H200 machine: `python tests/test_gpu.py` (no pytest there)
+or `python -m pytest tests/test_gpu.py`."""
 
 import json
 import os
@@ -103,9 +104,10 @@ def test_graphs_equal_eager_and_spec_equals_plain():
 
 
 def test_logprobs_take_the_eager_path_unchanged():
-    """A request with logprobs (of its output and its prompt), penalties or a logit_bias makes its steps run eager
-    (the graphs return no logits), without host synchronisation: the other requests' tokens stay those
-    of the graphs, and each token is its own top token with the same log-probability."""
+    """A request with logprobs (of its output and its prompt), penalties or a logit_bias makes its
+    steps run eager (the graphs return no logits), without host synchronisation: the other requests'
+    tokens stay those of the graphs, and each token is its own top token with the
+    same log-probability."""
     plain = _generate(DRAFTER, graphs=True)
     engine = LLMEngine(
         EngineConfig(
@@ -151,7 +153,8 @@ def test_logprobs_take_the_eager_path_unchanged():
 
 def test_sampled_steps_replay_the_target_pass_graph():
     """Sampled steps (eager verification) replay the target pass's graph: seeded requests give the
-    tokens they give with graphs off, plain and speculative, chain and tree, and the pass graphs exist."""
+    tokens they give with graphs off, plain and speculative, chain and tree, and
+    the pass graphs exist."""
     for drafter, siblings in (("none", 0), (DRAFTER, 0), (DRAFTER, 1)):
         outputs = []
         for graphs in (False, True):
@@ -181,7 +184,8 @@ def test_sampled_steps_replay_the_target_pass_graph():
 
 def test_prompt_lookup_drafts_the_same_in_graphs():
     """Greedy output cannot show the drafts; the number of accepted drafts can. With prompt lookup
-    on, its token history is written and read inside the graphs: graphs and eager must draft alike."""
+    on, its token history is written and read inside the graphs: graphs and
+    eager must draft alike."""
     questions = QUESTIONS + [
         "Repeat exactly: red fox, blue fox, red fox, blue fox, red fox, blue fox."
     ]

@@ -58,8 +58,9 @@ def test_greedy_random_drafter_joining_batch(tiny_dir, tiny_drafter_dir, prompts
 def fresh_drafts(
     runner: ModelRunner, context: list[int], step_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The drafts and their siblings a freshly started runner proposes after prefilling `context[:-1]`
-    (whose greedy token must be context[-1]): what the incremental drafter KV cache must reproduce."""
+    """The drafts and their siblings a freshly started runner proposes after prefilling
+    `context[:-1]` (whose greedy token must be context[-1]): what the incremental drafter KV
+    cache must reproduce."""
     plan = StepPlan(
         step_id,
         prefills=[PrefillRow(0, context[:-1], 0, SamplingParams())],
@@ -68,20 +69,22 @@ def fresh_drafts(
     )
     result = runner.execute(plan).result()
     assert result.tokens[0, 0] == context[-1]
-    return runner.state.drafts[0, : runner.K].clone(), runner.state.siblings[0, :, : runner.K].clone()
+    state = runner.state
+    return state.drafts[0, : runner.K].clone(), state.siblings[0, :, : runner.K].clone()
 
 
 def run_with_oracle(
     engine, prompts, refs, joins, corrupt_p, seed=0, check_against=None, params=None, outputs=None
 ):
-    """Non-overlapped steps; after each, the drafts of every running request are overwritten with its
-    known plain continuation, some positions corrupted, so drafts are accepted and rejected at every
-    depth. With a draft tree, a corrupted draft's siblings hold the right token half the time (in
-    a random one of them), and each step must emit exactly what the tree allows. With
+    """Non-overlapped steps; after each, the drafts of every running request are overwritten with
+    its known plain continuation, some positions corrupted, so drafts are accepted and rejected at
+    every depth. With a draft tree, a corrupted draft's siblings hold the right token half the time
+    (in a random one of them), and each step must emit exactly what the tree allows. With
     `check_against` (a fresh runner) the drafter's own proposals, read before they are overwritten,
     must equal what a fresh prefill of the same context proposes. `params`: per request (greedy
     ones, for the refs to hold); `outputs`: collects each request's RequestOutputs.
-    -> the requests, in order (and the steps that went through a sibling are counted in `.siblings_taken`)."""
+    -> the requests, in order (and the steps that went through a sibling are counted in
+    `.siblings_taken`)."""
     runner, K, M, V = (
         engine.executor,
         engine.executor.K,
@@ -90,10 +93,8 @@ def run_with_oracle(
     )
     rng = random.Random(seed)
     index, requests, pending, steps, checks = {}, {}, list(range(len(prompts))), 0, 0
-    expect, siblings_taken = (
-        {},
-        0,
-    )  # request -> (output length before the step, tokens it must emit)
+    # request -> (output length before the step, tokens it must emit)
+    expect, siblings_taken = {}, 0
     while pending or engine.has_work:
         while pending and joins[pending[0]] <= steps:
             i = pending.pop(0)
@@ -147,7 +148,8 @@ def test_greedy_accepting_drafts_joining_batch(
     tiny_dir, tiny_drafter_dir, prompts, plain_ref, k, siblings
 ):
     """Drafts accepted and rejected at every depth; with a draft tree, steps that go on through a
-    sibling at every depth too (each step's emitted count checked), whose K/V the next steps read."""
+    sibling at every depth too (each step's emitted count checked), whose K/V
+    the next steps read."""
     engine = tiny_engine(
         tiny_dir, tiny_drafter_dir, k=k, max_batch_size=4, overlap=False, draft_siblings=siblings
     )
@@ -167,8 +169,9 @@ def test_logprobs_are_the_targets_own(
     prompt + output (before temperature, as vLLM reports them): requests joining mid-flight, drafts
     accepted at every depth (greedy, oracle drafts) or sampled rows; so do the prompt's (echo), for
     prompts of different lengths prefilled together; a request that asks for none gets none, and its
-    batch neighbours' requests do not change its tokens. (Sampled: the prompt's in chunks of 7 positions.)
-    With a draft tree, a token after an accepted sibling reports the sibling node's logits."""
+    batch neighbours' requests do not change its tokens. (Sampled: the prompt's in chunks of 7
+    positions.) With a draft tree, a token after an accepted sibling reports the
+    sibling node's logits."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
@@ -208,17 +211,17 @@ def test_logprobs_are_the_targets_own(
         assert engine.scheduler.stats.accepted_at[-1] > 0
     for i, n in enumerate(counts):
         tokens = [t for out in outputs[i] for t in out.new_token_ids]
-        got = [lp for out in outputs[i] for lp in (out.logprobs or [])]
+        output_logprobs = [lp for out in outputs[i] for lp in (out.logprobs or [])]
         if n is None:
             assert all(out.logprobs is None and out.prompt_logprobs is None for out in outputs[i])
             continue
-        assert len(got) == len(tokens) > 0
+        assert len(output_logprobs) == len(tokens) > 0
         assert all(out.prompt_logprobs is None for out in outputs[i][1:])
         with torch.no_grad():
             logp = hf(torch.tensor([prompts[i] + tokens])).logits[0].log_softmax(-1)[:-1]
         sequence = torch.tensor(prompts[i] + tokens)[1:]
         for j, got in (
-            (slice(len(prompts[i]) - 1, None), got),
+            (slice(len(prompts[i]) - 1, None), output_logprobs),
             (slice(None, len(prompts[i]) - 1), outputs[i][0].prompt_logprobs),
         ):
             torch.testing.assert_close(
@@ -256,7 +259,8 @@ def biased(
 
 
 def penalised_greedy(model_dir, prompt: list[int], params: SamplingParams) -> list[int]:
-    """Greedy decoding with OpenAI's logit_bias and penalties, from Hugging Face logits over the whole sequence."""
+    """Greedy decoding with OpenAI's logit_bias and penalties, from Hugging Face logits over
+    the whole sequence."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
@@ -299,9 +303,8 @@ def test_penalties_and_logit_bias_greedy_equal_the_reference(tiny_dir, tiny_draf
         penalised_greedy(tiny_dir, prompt, params[1])
         for prompt in (prompts[0], prompts[5], prompts[6])
     ]
-    assert (
-        refs[0] != plain[0] and refs[5] != plain[1] and refs[6] != plain[2]
-    )  # the penalties and the bias are felt
+    # the penalties and the bias are felt
+    assert refs[0] != plain[0] and refs[5] != plain[1] and refs[6] != plain[2]
     engine = tiny_engine(tiny_dir, max_batch_size=4)
     assert [r.output_ids for r in run_to_completion(engine, prompts, params, JOINS)] == refs
     for t in range(1, 24):
@@ -310,10 +313,8 @@ def test_penalties_and_logit_bias_greedy_equal_the_reference(tiny_dir, tiny_draf
         ]
         got = run_to_completion(engine, [p + ref[:t] for p, ref in zip(prompts, refs)], resumed)
         assert [r.output_ids for r in got] == [ref[t:] for ref in refs], t
-    for siblings in (
-        0,
-        2,
-    ):  # with a draft tree, a sibling's logits follow the drafts on its own path
+    # with a draft tree, a sibling's logits follow the drafts on its own path
+    for siblings in (0, 2):
         engine = tiny_engine(
             tiny_dir,
             tiny_drafter_dir,
@@ -371,11 +372,8 @@ def test_min_tokens_holds_back_stop_tokens(tiny_dir, tiny_drafter_dir, prompts, 
     assert all(refs[i] == ref[:j] for i, (ref, j) in enumerate(cases) if i % 2 == 0)
     engine = tiny_engine(tiny_dir, max_batch_size=4)
     assert [r.output_ids for r in run_to_completion(engine, prompts, params, JOINS)] == refs
-    for t in (
-        1,
-        3,
-        9,
-    ):  # resumed after t tokens (as the server resubmits): what is left of min_tokens
+    # resumed after t tokens (as the server resubmits): what is left of min_tokens
+    for t in (1, 3, 9):
         resumed = [
             p.model_copy(
                 update={
@@ -423,8 +421,9 @@ def test_min_tokens_ends_with_its_request(tiny_dir, prompts, plain_ref):
 def test_drafter_kv_cache_matches_fresh_prefill(
     tiny_dir, tiny_drafter_dir, prompts, plain_ref, k, siblings
 ):
-    """After any mix of accepted and rejected drafts (and siblings), the drafter's KV cache holds what
-    a fresh prefill of the accepted tokens would: its next proposals are identical, siblings too."""
+    """After any mix of accepted and rejected drafts (and siblings), the drafter's KV cache holds
+    what a fresh prefill of the accepted tokens would: its next proposals are
+    identical, siblings too."""
     engine = tiny_engine(
         tiny_dir, tiny_drafter_dir, k=k, max_batch_size=4, overlap=False, draft_siblings=siblings
     )
@@ -501,7 +500,9 @@ def test_eager_verification_after_the_graphed_target_pass(
         engine = tiny_engine(tiny_dir, drafter, k=3, max_batch_size=4, draft_siblings=siblings or 0)
         runner = engine.executor
         if graphed:
-            runner.graphs.target_pass = EagerGraphs(runner._target_pass, runner.resources.dummy_slot)
+            runner.graphs.target_pass = EagerGraphs(
+                runner._target_pass, runner.resources.dummy_slot
+            )
         outputs.append([r.output_ids for r in run_to_completion(engine, prompts, params, JOINS)])
     assert outputs[0] == outputs[1]
     assert runner.graphs.target_pass.calls > 10
@@ -534,10 +535,8 @@ def test_greedy_smollm2_trained_drafter(smollm2_prompts, smollm2_greedy_64, smol
     from conftest import _smollm2
 
     tokens_per_step = []
-    for siblings in (
-        0,
-        1,
-    ):  # the chain, then the draft tree: still exact, and more tokens per target pass
+    # the chain, then the draft tree: still exact, and more tokens per target pass
+    for siblings in (0, 1):
         engine = _smollm2("default", num_draft_tokens=3, max_batch_size=8, draft_siblings=siblings)
         requests = run_to_completion(
             engine, smollm2_prompts[:8], SamplingParams(max_tokens=64), [0, 0, 0, 1, 2, 4, 8, 12]
@@ -761,9 +760,8 @@ def test_sampled_distribution_matches_target(v16_dirs, params_name, drafts, k, s
     assert p_value > 1e-3
     if drafts == "oracle":
         stats = engine.scheduler.stats
-        assert (
-            stats.accepted_at[0] > 0.3 * stats.num_verify_rows
-        )  # drafts carry real probability mass
+        # drafts carry real probability mass
+        assert stats.accepted_at[0] > 0.3 * stats.num_verify_rows
 
 
 def accept_always(probs, drafts, u_accept, u_sample, *_):
@@ -780,7 +778,8 @@ def accept_always(probs, drafts, u_accept, u_sample, *_):
 
 
 def resample_without_removal(probs, drafts, u_accept, u_sample, *_):
-    """WRONG: accept with probability p(x) but, on rejection, redraw from p itself (x not removed)."""
+    """WRONG: accept with probability p(x) but, on rejection, redraw from p
+    itself (x not removed)."""
     from speculative.sampling import sample
 
     B, K = drafts.shape
@@ -850,7 +849,8 @@ def test_lookup_finds_the_latest_earlier_occurrence():
     history = torch.tensor([[5, 6, 7, 8, 5, 6, 9, 5, 6, 0, 0, 0]] * 3)
     found, token = lookup(history, torch.tensor([7, 4, 2]), n=2)
     # q=7: the pair (5, 6) at positions 7-8 last occurred at 4-5, followed by 9; q=4: the pair
-    # itself at 4-5 does not count, its earlier occurrence at 0-1 is followed by 7; q=2: (7, 8) is new
+    # itself at 4-5 does not count, its earlier occurrence at 0-1 is followed
+    # by 7; q=2: (7, 8) is new
     assert found.tolist() == [True, True, False] and token[:2].tolist() == [9, 7]
     history = torch.tensor([[1, 5, 6, 7, 2, 5, 6, 8, 1, 5, 6, 0, 0]] * 2)
     found, token = lookup(history, torch.tensor([9, 0]), n=3)
@@ -862,9 +862,9 @@ def test_lookup_finds_the_latest_earlier_occurrence():
 def test_sampled_distribution_with_prompt_lookup(v16_dirs):
     """Looked-up drafts depend on sampled tokens (the history), yet the output keeps the target's
     distribution. The prompt repeats itself (its last eight tokens occur earlier), and its likeliest
-    first token (p 0.75) continues the repeat, so most chains are looked up; each looked-up draft is checked against the
-    plain-Python lookup. (A request of three tokens runs too few steps to catch an unrecorded token:
-    the greedy test below holds the recording.)"""
+    first token (p 0.75) continues the repeat, so most chains are looked up; each looked-up draft is
+    checked against the plain-Python lookup. (A request of three tokens runs too few steps to catch
+    an unrecorded token: the greedy test below holds the recording.)"""
     prompt, K = [3, 1, 2, 7, 3, 1, 13, 9] * 2 + [3, 1], 3
     params = SAMPLING["t1"]
     joint, _ = exact_joint(v16_dirs[0], params, prompt)

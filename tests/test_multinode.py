@@ -1,6 +1,6 @@
 """Multi-node placement on one machine: a `ray.cluster_utils.Cluster` whose head has no CPUs or GPUs
-(it takes no replicas, like cluster.yaml's) and two worker nodes of two fake GPUs each. The ranks run
-the CPU backend (gloo), but each rank's bundle also reserves a GPU (`rank_resources`), so a TP=2
+(it takes no replicas, like cluster.yaml's) and two worker nodes of two fake GPUs each. The ranks
+run the CPU backend (gloo), but each rank's bundle also reserves a GPU (`rank_resources`), so a TP=2
 replica fills one node: its group is packed there, the two replicas land on the two worker nodes,
 and both serve the HTTP traffic sent with the official openai client."""
 
@@ -83,9 +83,8 @@ def test_each_group_packed_on_its_own_worker_node(cluster):
     nodes = [r["node_id"] for r in replicas]
     for r in replicas:
         assert [w["rank"] for w in r["workers"]] == [0, 1]
-        assert {w["node_id"] for w in r["workers"]} == {r["node_id"]}, (
-            r
-        )  # STRICT_PACK: replica and ranks
+        # STRICT_PACK: replica and ranks
+        assert {w["node_id"] for w in r["workers"]} == {r["node_id"]}, r
     assert len(set(nodes)) == 2 and set(nodes) == cluster["workers"]
     assert cluster["head"] not in nodes
     assert ray.available_resources().get("GPU", 0) == 0  # the 2 x 2 fake GPUs are the groups'
@@ -108,8 +107,7 @@ def test_both_replicas_serve_http_traffic(cluster):
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(ask, range(24)))
-    assert (
-        len(set(answers)) == 1 and answers[0][1] == 8
-    )  # both replicas load the same weights: same greedy text
+    # both replicas load the same weights: same greedy text
+    assert len(set(answers)) == 1 and answers[0][1] == 8
     served = {r["pid"]: r["num_requests"] - before[r["pid"]] for r in _replicas(cluster["handle"])}
     assert sum(served.values()) == 24 and all(n > 0 for n in served.values()), served

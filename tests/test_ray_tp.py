@@ -1,4 +1,5 @@
-"""The Ray execution path: TP worker actors + coordinator, on a local Ray cluster with CPU (gloo)."""
+"""The Ray execution path: TP worker actors + coordinator, on a local Ray
+cluster with CPU (gloo)."""
 
 import asyncio
 import queue

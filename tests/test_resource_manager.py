@@ -63,9 +63,8 @@ def test_buffers(manager):
     hidden = torch.arange(8.0).view(2, 4)
     manager.write_hidden(torch.tensor([3, 0]), hidden)
     assert torch.equal(manager.read_hidden(torch.tensor([0, 3])), hidden.flip(0))
-    assert (
-        manager.nbytes == (32 * 12 + 5 * 4) * 4
-    )  # features + per-slot hidden (with the dummy slot)
+    # features + per-slot hidden (with the dummy slot)
+    assert manager.nbytes == (32 * 12 + 5 * 4) * 4
 
 
 # ---- through the model runner ----

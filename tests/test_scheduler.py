@@ -1,5 +1,6 @@
-"""The scheduler through the engine on tiny random targets: continuous batching, per-request sampling
-parameters, stop conditions, rejection of bad requests, the extra pass and the overlapped loop."""
+"""The scheduler through the engine on tiny random targets: continuous batching, per-request
+sampling parameters, stop conditions, rejection of bad requests, the extra pass and
+the overlapped loop."""
 
 import shutil
 
@@ -130,7 +131,8 @@ def test_max_tokens(tiny_dir, tiny_drafter_dir, max_tokens):
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_eos(tmp_path, tiny_dir, tiny_drafter_dir, overlap):
-    """The same weights with an EOS id the greedy output reaches at step j: output stops before it."""
+    """The same weights with an EOS id the greedy output reaches at step j:
+    output stops before it."""
     prompt = tiny_prompts(1, seed=13)[0]
     full = solo_outputs(
         tiny_engine(tiny_dir), [prompt], SamplingParams(max_tokens=30, ignore_eos=True)
@@ -263,27 +265,23 @@ def test_held_back_text_is_sent_when_the_request_ends(tok_dir, ends_on):
         ]
     expected = " one two" if ends_on == "eos" else " one two three"
     assert r.finish_reason == ("stop" if ends_on == "eos" else "length")
-    assert (
-        "".join(deltas) == expected and deltas[-1] == expected[len(" one ") :]
-    )  # "two" was held back
+    # "two" was held back
+    assert "".join(deltas) == expected and deltas[-1] == expected[len(" one ") :]
 
 
 @pytest.mark.parametrize(
     "text, stop, expected",
     [
         (" one two three four five six", "hree fo", " one two t"),  # a stop string across tokens
-        (
-            " Grüße aus Köln! 東京タワー 🚀 ok",
-            "タワー🚀",
-            " Grüße aus Köln! 東京タワー 🚀 ok",
-        ),  # held back, never stops
+        # held back, never stops
+        (" Grüße aus Köln! 東京タワー 🚀 ok", "タワー🚀", " Grüße aus Köln! 東京タワー 🚀 ok"),
     ],
 )
 def test_resumed_request_goes_on_from_the_sent_text(tok_dir, text, stop, expected):
     """A request resumed after any token (on another replica: prompt + the tokens sent, and how much
     of their text the client has) ends where the undisturbed request ends, stop strings spanning the
-    resume point included, and the client's text adds up to the same, with what the first engine held
-    back (a possible stop string's start, part of a UTF-8 character) sent by the second."""
+    resume point included, and the client's text adds up to the same, with what the first engine
+    held back (a possible stop string's start, part of a UTF-8 character) sent by the second."""
     from workers.loader import load_tokenizer
 
     tokenizer = load_tokenizer(tok_dir)
@@ -433,9 +431,9 @@ def test_invalid_sampling_params(field, value):
 
 
 def test_stop_strings_wait_for_min_tokens(tok_dir):
-    """A stop string ends the output only where it ends past the text of the first min_tokens tokens,
-    as vLLM's; the text stops before it. A request resumed after such a held-back stop string
-    (its earlier output in the prompt, nothing left of min_tokens) does not stop on it."""
+    """A stop string ends the output only where it ends past the text of the first min_tokens
+    tokens, as vLLM's; the text stops before it. A request resumed after such a held-back stop
+    string (its earlier output in the prompt, nothing left of min_tokens) does not stop on it."""
     from workers.loader import load_tokenizer
 
     tokenizer = load_tokenizer(tok_dir)
@@ -549,8 +547,7 @@ def test_overlap_equals_no_overlap_and_extra_pass_is_silent(eos_dir, tiny_drafte
                 o.finish_reason is None for o in outs[:-1]
             )
         if overlap:
-            assert (
-                engine.scheduler.stats.num_extra_rows > 0
-            )  # the extra pass happened ... and was dropped
+            # the extra pass happened ... and was dropped
+            assert engine.scheduler.stats.num_extra_rows > 0
     assert runs[True] == runs[False]
     assert {reason for _, reason in runs[True]} == {"stop", "length"}

@@ -88,9 +88,8 @@ def test_prompt_order_puts_long_prompts_first():
     assert sorted(plain) == sorted(texts) and plain == prompt_order(texts, DistillConfig(seed=3))
     long_first = prompt_order(texts, DistillConfig(seed=3, long_prompts_first_chars=20))
     assert [len(t) >= 20 for t in long_first] == [True] * 4 + [False] * 4
-    assert [t for t in plain if len(t) >= 20] == long_first[
-        :4
-    ]  # the shuffled order within each group
+    # the shuffled order within each group
+    assert [t for t in plain if len(t) >= 20] == long_first[:4]
     assert [t for t in plain if len(t) < 20] == long_first[4:]
 
 
@@ -132,7 +131,8 @@ def test_ttt_loss_weighs_prompt_positions():
 
 
 def old_ttt_loss(logits, target_probs, is_in_draft, lengths, prompt_lens, decay, prompt_weight):
-    """The loss as it was defined up to session 6, over every row of the padded batch: the reference."""
+    """The loss as it was defined up to session 6, over every row of the padded
+    batch: the reference."""
     B, T, _ = target_probs.shape
     t = torch.arange(T).view(1, T)
     probs_next = target_probs.roll(-1, dims=1)
@@ -157,10 +157,8 @@ def test_loss_on_selected_rows_equals_loss_over_every_row(prompt_weight):
     loss over the whole padded batch with the target's distributions rolled by one position."""
     torch.manual_seed(2)
     B, T, V, depths = 3, 16, 11, 4
-    lengths, prompt_lens = (
-        torch.tensor([16, 9, 12]),
-        torch.tensor([5, 9, 3]),
-    )  # one row is prompt only
+    # one row is prompt only
+    lengths, prompt_lens = torch.tensor([16, 9, 12]), torch.tensor([5, 9, 3])
     logits = [torch.randn(B, T, V) for _ in range(depths)]
     probs = torch.softmax(2 * torch.randn(B, T, V), -1)
     is_in_draft = torch.rand(B, T) > 0.2
@@ -235,9 +233,8 @@ def test_distillation_continues_in_parts(tmp_path):
         update={"distill": cfg.distill.model_copy(update={"num_prompts": 100})}
     )
     assert train_drafter(everything, distill_only=True)["num_sequences"] == len(QUESTIONS)
-    assert (
-        train_drafter(everything, distill_only=True)["num_parts"] == 2
-    )  # nothing left: no third part
+    # nothing left: no third part
+    assert train_drafter(everything, distill_only=True)["num_parts"] == 2
     parts = [TokenStore.load(p) for p in data_parts(tmp_path / "data")]
     tokenizer = LLMEngine(
         EngineConfig(model=str(model), drafter="none", device="cpu", max_batch_size=1)
@@ -254,7 +251,8 @@ def test_distillation_continues_in_parts(tmp_path):
     assert [tuple(data.seq(i).tolist()) for i in range(len(data))] == [
         tuple(s.seq(i).tolist()) for s in parts for i in range(len(s))
     ]
-    # without the first part, skip_prompts continues the order where it stopped: the second part again
+    # without the first part, skip_prompts continues the order where it
+    # stopped: the second part again
     lost = everything.model_copy(
         update={
             "data": str(tmp_path / "data2"),
@@ -309,9 +307,8 @@ def test_distillation_passes(tmp_path):
     assert [s[: len(g)] for s, g in zip(seqs[:n], greedy)] == greedy and all(
         s[len(g) :] in ([], [eos]) for s, g in zip(seqs[:n], greedy)
     )
-    assert (
-        sum(s != f for s, f in zip(seqs[n:], seqs[:n])) >= n // 2
-    )  # sampled at 1.5: mostly other text
+    # sampled at 1.5: mostly other text
+    assert sum(s != f for s, f in zip(seqs[n:], seqs[:n])) >= n // 2
     with pytest.raises(ValueError, match="num_passes"):
         DistillConfig(num_passes=2, keep_undistilled_prompts=True)
 
@@ -345,9 +342,8 @@ def test_distillation_in_processes_equals_one_engine(tmp_path):
         data = load_data(tmp_path / f"data{workers}")
         seqs.append([(data.seq(i).tolist(), int(data.prompt_lens[i])) for i in range(len(data))])
     assert seqs[1] == seqs[0]
-    assert len({tuple(s[:p]) for s, p in seqs[0]}) == len(
-        QUESTIONS
-    )  # every prompt, 5 of them twice
+    # every prompt, 5 of them twice
+    assert len({tuple(s[:p]) for s, p in seqs[0]}) == len(QUESTIONS)
 
 
 def test_distillation_process_that_dies_fails_the_run(tmp_path):
@@ -418,7 +414,8 @@ def test_token_store_parts_roundtrip(tmp_path, largest):
 
 def test_parts_survive_gaps_and_killed_writes(tmp_path, monkeypatch):
     """A new part follows the highest one (a gap left by a deleted part is not filled over an
-    existing one), a killed write leaves no part, and a gap or a part cut short is an error naming it."""
+    existing one), a killed write leaves no part, and a gap or a part cut short is
+    an error naming it."""
     for i in range(3):
         save_parts(tmp_path, TokenStore.from_lists([[i, i]], [1]))
     (tmp_path / "part-00001.safetensors").unlink()
@@ -610,8 +607,8 @@ def trained(tmp_path_factory):
         checkpoint_every=20,
         device="cpu",
         time_limit_s=0.001,
-        export_dtype="int8",
-    )  # the default drafter's storage; later tests load it
+        export_dtype="int8",  # the default drafter's storage; later tests load it
+    )
     first = train_drafter(cfg)  # stops after one step (time limit) with a checkpoint
     summary = train_drafter(cfg.model_copy(update={"time_limit_s": None}))  # resumes
     return model, root / "drafter", first, summary
@@ -632,10 +629,10 @@ def drafter_tensors(path) -> dict[str, torch.Tensor]:
 
 
 def test_training_starts_from_a_drafter(trained, tmp_path):
-    """init_from copies a drafter's weights: the first step's loss is the trained drafter's, far below
-    a fresh one's. With another vocabulary size the vocabulary is the one the data picks, the head rows
-    of the tokens both vocabularies hold come from the source, and the others are the target's rows
-    mapped as the source's were."""
+    """init_from copies a drafter's weights: the first step's loss is the trained drafter's, far
+    below a fresh one's. With another vocabulary size the vocabulary is the one the data picks, the
+    head rows of the tokens both vocabularies hold come from the source, and the others are the
+    target's rows mapped as the source's were."""
     model, drafter, _, _ = trained
     base = TrainConfig(
         model=str(model),
@@ -718,7 +715,8 @@ def test_trained_drafter_beats_random(trained, tmp_path):
 
 def test_checkpoint_survives_a_kill_while_saving(trained, tmp_path, monkeypatch):
     """A run killed while writing a checkpoint resumes from the last whole one and ends with the
-    weights of a run straight through; a checkpoint file cut short is an error naming the checkpoint."""
+    weights of a run straight through; a checkpoint file cut short is an error
+    naming the checkpoint."""
     model, drafter, _, _ = trained
     straight = TrainConfig(
         model=str(model),
@@ -761,8 +759,8 @@ def test_checkpoint_survives_a_kill_while_saving(trained, tmp_path, monkeypatch)
 
 
 def test_training_target_captures_the_drafters_aux_layers(trained, tmp_path):
-    """Trained further from a drafter that names its aux layers, the drafter is fed those layers (the
-    ones inference captures for it), on the first run and on resume."""
+    """Trained further from a drafter that names its aux layers, the drafter is fed those layers
+    (the ones inference captures for it), on the first run and on resume."""
     model, drafter, _, _ = trained
     dcfg = drafter_config_for(ModelConfig.from_hf(load_config(model)), 256, aux_layer_ids=(0, 1, 3))
     save_drafter(tmp_path / "source", dcfg, random_drafter_state(dcfg))
@@ -793,7 +791,8 @@ def test_training_target_captures_the_drafters_aux_layers(trained, tmp_path):
 
 
 def test_init_from_refuses_a_checkpoint_to_resume(trained, tmp_path):
-    """init_from with a checkpoint of the output present would be ignored (the run resumes): refused."""
+    """init_from with a checkpoint of the output present would be ignored (the
+    run resumes): refused."""
     model, drafter, _, _ = trained
     cfg = TrainConfig(
         model=str(model),

@@ -56,9 +56,9 @@ def test_verify_greedy_through_a_sibling():
             [[1, 2, 3], [4, 5, 6]],  # the chain is all accepted
             [[1, 2, 3], [5, 5, 6]],  # depth 1's second sibling
             [[9, 9, 9], [9, 9, 7]],  # depth 3's second sibling
-            [[6, 6, 6], [6, 6, 6]],
+            [[6, 6, 6], [6, 6, 6]],  # a sibling equal to another depth's token
         ]
-    )  # a sibling equal to another depth's token
+    )
     tokens, emitted, path = verify_greedy(target, drafts, siblings)
     assert emitted.tolist() == [3, 2, 4, 2, 4, 1]
     assert [tokens[i, :n].tolist() for i, n in enumerate(emitted.tolist())] == [
@@ -85,9 +85,8 @@ def test_verify_sampled_through_siblings_keeps_the_distribution():
     acceptance (u scaled) must fail the same check."""
     g = torch.Generator().manual_seed(1)
     N, V = 400_000, 6
-    probs = torch.softmax(torch.randn(1, 4, V, generator=g) * 1.5, -1).expand(
-        N, -1, -1
-    )  # nodes: root, a, b, c
+    # nodes: root, a, b, c
+    probs = torch.softmax(torch.randn(1, 4, V, generator=g) * 1.5, -1).expand(N, -1, -1)
     p0 = probs[0, 0]
     a, b, c = p0.argsort(descending=True)[:3].tolist()
     drafts = torch.full((N, 1), a)
@@ -123,9 +122,8 @@ def test_uniform_is_a_counter_based_stream():
     u = uniform(seeds, positions, SAMPLE_STREAM)
     assert u.min() >= 0 and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.02
     assert torch.equal(u, uniform(seeds, positions, SAMPLE_STREAM))  # reproducible
-    assert torch.equal(
-        u[1:2], uniform(seeds[1:2], positions[:1], SAMPLE_STREAM)
-    )  # batch independent
+    # batch independent
+    assert torch.equal(u[1:2], uniform(seeds[1:2], positions[:1], SAMPLE_STREAM))
     assert not torch.equal(u, uniform(seeds, positions, ACCEPT_STREAM))
     assert (u[0] != u[1]).float().mean() > 0.99
 
@@ -148,9 +146,9 @@ def test_top_k_top_p(tokens_per_row):
         [
             [0.4 / 0.7, 0.3 / 0.7, 0, 0],  # top-p 0.65: {0.4, 0.3}
             [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0],  # top-k 3
-            [1.0, 0, 0, 0],
+            [1.0, 0, 0, 0],  # top-k 2 -> (4/7, 3/7); top-p 0.55 keeps one
         ]
-    )  # top-k 2 -> (4/7, 3/7); top-p 0.55 keeps one
+    )
     torch.testing.assert_close(probs, expected.unsqueeze(1).expand(3, tokens_per_row, 4))
 
 
@@ -159,18 +157,14 @@ def test_top_k_top_p(tokens_per_row):
     [
         (0.45, 1.0, [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0]),  # keeps p >= 0.45 x 0.4
         (0.6, 1.0, [0.4 / 0.7, 0.3 / 0.7, 0, 0]),
-        (
-            0.3,
-            0.75,
-            [0.4 / 0.7, 0.3 / 0.7, 0, 0],
-        ),  # then top-p over the survivors (first: three kept)
+        # then top-p over the survivors (first: three kept)
+        (0.3, 0.75, [0.4 / 0.7, 0.3 / 0.7, 0, 0]),
         (0.0, 1.0, [0.4, 0.3, 0.2, 0.1]),
     ],
 )
 def test_min_p(min_p, top_p, expected):
-    logits = (
-        torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1])).expand(1, 2, 4) * 2
-    )  # temperature 2 first
+    # temperature 2 first
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1])).expand(1, 2, 4) * 2
     probs = target_probs(
         logits,
         torch.full((1,), 2.0),

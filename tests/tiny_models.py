@@ -10,7 +10,8 @@ from workers.loader import resolve_model
 
 
 def tiny_llama(path, heads=4, kv_heads=2, layers=6, hidden=64, seed=0, max_positions=1024):
-    """A random Llama in HF layout, with SmolLM2's tokenizer and chat template (so the vocabulary matches)."""
+    """A random Llama in HF layout, with SmolLM2's tokenizer and chat template (so the
+    vocabulary matches)."""
     path.mkdir(parents=True, exist_ok=True)
     smol = resolve_model("smollm2-135m")
     for f in smol.iterdir():

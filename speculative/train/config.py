@@ -11,9 +11,8 @@ class DistillConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    prompt_files: list[str] = Field(
-        default_factory=list
-    )  # JSONL(.gz) rows with "prompt" or "question"
+    # JSONL(.gz) rows with "prompt" or "question"
+    prompt_files: list[str] = Field(default_factory=list)
     num_prompts: int = Field(8192, ge=1)  # over all passes
     # passes over the prompt order; every response after the first pass is sampled (at
     # `temperature`): more data from the same prompts, where a greedy pass would repeat the first
@@ -28,7 +27,8 @@ class DistillConfig(BaseModel):
     num_workers: int = Field(1, ge=1, le=16)
     time_limit_s: float | None = Field(None, gt=0)  # stop admitting prompts after this
     # prompts of at least this many characters go first (0: none do): long inputs are rare in the
-    # training prompts, and the drafter copies poorly from them (BENCHMARKS.md, "where the drafts miss")
+    # training prompts, and the drafter copies poorly from them
+    # (BENCHMARKS.md, "where the drafts miss")
     long_prompts_first_chars: int = Field(0, ge=0)
     # keep the prompts left when the time limit stops admission, as sequences without a response
     # (they only teach anything with TrainConfig.prompt_loss_weight > 0)
@@ -61,9 +61,8 @@ class TrainConfig(BaseModel):
     draft_vocab_size: int = Field(4096, ge=2)
     ttt_steps: int = Field(5, ge=1, le=16)  # unrolled draft steps (K at inference <= this)
     step_decay: float = Field(0.8, gt=0.0, le=1.0)  # loss weight of step j is decay**j
-    prompt_loss_weight: float = Field(
-        0.0, ge=0.0, le=1.0
-    )  # loss weight of prompt positions (responses: 1)
+    # loss weight of prompt positions (responses: 1)
+    prompt_loss_weight: float = Field(0.0, ge=0.0, le=1.0)
     lr: float = Field(6e-4, gt=0.0)
     min_lr_ratio: float = Field(0.05, ge=0.0, le=1.0)
     warmup_steps: int = Field(50, ge=0)
@@ -71,9 +70,8 @@ class TrainConfig(BaseModel):
     grad_clip: float = Field(0.5, gt=0.0)
     max_steps: int = Field(2000, ge=1)
     batch_tokens: int = Field(32768, ge=16)  # padded tokens per batch
-    max_seq_len: int = Field(
-        1536, ge=8, le=4096
-    )  # longer sequences are cut (4096: the trainer's rotary tables)
+    # longer sequences are cut (4096: the trainer's rotary tables)
+    max_seq_len: int = Field(1536, ge=8, le=4096)
     checkpoint_every: int = Field(200, ge=1)
     time_limit_s: float | None = Field(None, gt=0)  # checkpoint and stop after this (resume later)
     fit_steps_to_time: bool = False  # shrink max_steps so the LR schedule ends in time
@@ -81,9 +79,8 @@ class TrainConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # of the frozen target and autocast
     # int8: 2-D weights as int8 with a scale per row (drafter.quantize_int8), to fit a size cap
     export_dtype: Literal["float32", "bfloat16", "int8"] = "bfloat16"
-    export_shard_mb: float | None = Field(
-        None, gt=0
-    )  # split the exported weights into files of at most this
+    # split the exported weights into files of at most this
+    export_shard_mb: float | None = Field(None, gt=0)
     seed: int = 0
 
     @property

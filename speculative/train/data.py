@@ -111,9 +111,8 @@ def load_data(directory: Path) -> TokenStore:
     missing = sorted(
         {f"part-{i:05d}.safetensors" for i in range(len(parts))} - {p.name for p in parts}
     )
-    if (
-        missing
-    ):  # the parts hold the order's prompts in turn: without one, the rest are off by its size
+    # the parts hold the order's prompts in turn: without one, the rest are off by its size
+    if missing:
         raise ValueError(
             f"data directory {directory} lacks {', '.join(missing)} before "
             f"{parts[-1].name}: restore the parts, or move those after the gap away"
@@ -178,9 +177,8 @@ def distill_order(cfg: DistillConfig, tokenizer, skip: int = 0):
     def order():
         greedy = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens)
         for p, k, ids in itertools.islice(passes, skip, None):
-            rng = random.Random(
-                f"{cfg.seed}/{p}/{k}"
-            )  # a str seed: hashed the same in every process
+            # a str seed: hashed the same in every process
+            rng = random.Random(f"{cfg.seed}/{p}/{k}")
             sampled = rng.random() < cfg.sampled_fraction or p > 0
             yield (
                 ids,
@@ -218,9 +216,8 @@ def generate_in_waves(engine, jobs):
     prefill runs eager and costs as much as many graphed decode steps, so one prefill per finished
     request would make the generation several times slower."""
     eos = engine.tokenizer.eos_token_id
-    engine.scheduler.tokenizer = (
-        None  # no detokenizing: nothing reads the text, and it costs host time
-    )
+    # no detokenizing: nothing reads the text, and it costs host time
+    engine.scheduler.tokenizer = None
     num_slots, running, is_admitting = engine.executor.num_slots, {}, True
     while is_admitting or engine.has_work:
         num_busy = engine.scheduler.num_waiting + engine.scheduler.num_running
@@ -246,7 +243,8 @@ def generate_in_waves(engine, jobs):
 def self_distill(engine, cfg: DistillConfig, skip: int = 0) -> TokenStore:
     """Regenerate responses with the target through our engine (drafter "none") for the prompts of
     the distillation order after the first `skip` (those earlier runs covered), until the time limit
-    stops admission. Every prompt taken, distilled or kept undistilled, becomes one sequence, in order."""
+    stops admission. Every prompt taken, distilled or kept undistilled, becomes one
+    sequence, in order."""
     total, order = distill_order(cfg, engine.tokenizer, skip)
     results = tqdm(
         generate_in_waves(engine, distill_jobs(order, total, cfg.time_limit_s)),
@@ -336,8 +334,8 @@ def _next_result(results, workers):
 
 
 def _distilled_store(done: dict, order, cfg: DistillConfig) -> TokenStore:
-    """The sequences of jobs 0..len(done)-1, then (with keep_undistilled_prompts) the prompts left in
-    `order` without a response."""
+    """The sequences of jobs 0..len(done)-1, then (with keep_undistilled_prompts) the prompts left
+    in `order` without a response."""
     seqs = [done[i][0] + done[i][1] for i in range(len(done))]
     prompt_lens = [len(done[i][0]) for i in range(len(done))]
     if cfg.keep_undistilled_prompts:
@@ -352,9 +350,8 @@ def prompt_order(texts: list[str], cfg: DistillConfig) -> list[str]:
     texts = list(texts)
     random.Random(cfg.seed).shuffle(texts)
     if cfg.long_prompts_first_chars:
-        texts.sort(
-            key=lambda t: len(t) < cfg.long_prompts_first_chars
-        )  # stable: each group stays shuffled
+        # stable: each group stays shuffled
+        texts.sort(key=lambda t: len(t) < cfg.long_prompts_first_chars)
     return texts
 
 

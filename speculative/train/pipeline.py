@@ -54,8 +54,8 @@ def distill(cfg: TrainConfig) -> TokenStore:
     seconds = time.perf_counter() - start
     num_response = int(store.lengths.sum() - store.prompt_lens.sum())
     log.info(
-        "self-distillation in %d process(es): %d sequences after the %d prompts of earlier parts, %d response "
-        "tokens in %.0f s with the engines' start (%.0f tokens/s)",
+        "self-distillation in %d process(es): %d sequences after the %d prompts of earlier parts, "
+        "%d response tokens in %.0f s with the engines' start (%.0f tokens/s)",
         d.num_workers,
         len(store),
         skip,

@@ -15,9 +15,8 @@ def _causal_attention(
     D = attn.head_dim
     q, k, v = attn.qkv_proj(x).split([attn.heads * D, attn.kv_heads * D, attn.kv_heads * D], dim=-1)
     q = attn.rotary(q.view(B, T, attn.heads, D), positions).transpose(1, 2)  # [B, heads, T, D]
-    k = attn.rotary(k.view(B, T, attn.kv_heads, D), positions).transpose(
-        1, 2
-    )  # [B, kv_heads, T, D]
+    # [B, kv_heads, T, D]
+    k = attn.rotary(k.view(B, T, attn.kv_heads, D), positions).transpose(1, 2)
     v = v.view(B, T, attn.kv_heads, D).transpose(1, 2)
     out = F.scaled_dot_product_attention(
         q, k, v, is_causal=True, enable_gqa=attn.heads != attn.kv_heads
@@ -47,7 +46,8 @@ def target_draft_probs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [N, H] -> (probs [N, Vd] float32: the target's distribution renormalised over the
     draft vocabulary, is_in_draft [N]: whether the target's full-vocab argmax is a draft token).
-    Positions whose argmax is outside the draft vocabulary cannot be drafted; training skips them."""
+    Positions whose argmax is outside the draft vocabulary cannot be drafted;
+    training skips them."""
     weight = model.lm_head.weight
     in_draft = torch.zeros(weight.shape[0], dtype=torch.bool, device=hidden.device)
     in_draft[draft_to_target] = True

@@ -43,7 +43,8 @@ def load_target(
     dtype: torch.dtype,
     aux_layer_ids: tuple[int, ...] | None = None,
 ) -> Llama:
-    """The frozen target, capturing `aux_layer_ids` (those of the drafter it trains; None: the default)."""
+    """The frozen target, capturing `aux_layer_ids` (those of the drafter it trains;
+    None: the default)."""
     model_dir = resolve_model(model)
     target = Llama(ModelConfig.from_hf(load_config(model_dir)), aux_layer_ids=aux_layer_ids)
     load_target_weights(target, model_dir)
@@ -52,7 +53,8 @@ def load_target(
 
 def load_source(path: str, target_cfg: ModelConfig, target_embeddings=None) -> Eagle3Drafter:
     """The init_from drafter, or a ValueError that says why it cannot be trained further for this
-    target. Without the target's embeddings (the check before distilling), a stand-in without storage."""
+    target. Without the target's embeddings (the check before distilling), a
+    stand-in without storage."""
     if target_embeddings is None:
         with torch.device("meta"):
             target_embeddings = VocabParallelEmbedding(
@@ -62,12 +64,12 @@ def load_source(path: str, target_cfg: ModelConfig, target_embeddings=None) -> E
         source = load_drafter(Path(path), target_embeddings=target_embeddings)
     except (OSError, KeyError, RuntimeError, ValueError, SafetensorError) as e:
         raise ValueError(f"init_from {path} is not a usable drafter: {e}") from e
-    aux = (
-        source.cfg.aux_layer_ids or target_cfg.default_aux_layer_ids()
-    )  # load_drafter checked the rest
+    # load_drafter checked the rest
+    aux = source.cfg.aux_layer_ids or target_cfg.default_aux_layer_ids()
     if max(aux) >= target_cfg.num_hidden_layers:
         raise ValueError(
-            f"init_from {path} reads aux layers {aux}; the target has {target_cfg.num_hidden_layers}"
+            f"init_from {path} reads aux layers {aux}; "
+            f"the target has {target_cfg.num_hidden_layers}"
         )
     return source
 
@@ -75,9 +77,8 @@ def load_source(path: str, target_cfg: ModelConfig, target_embeddings=None) -> E
 def checkpoint_state(ckpt: Path) -> dict | None:
     """The trainer state of the checkpoint in `ckpt`, None when there is none."""
     tmp = ckpt.with_name(ckpt.name + ".tmp")
-    if (
-        not ckpt.exists() and (tmp / "trainer_state.json").is_file()
-    ):  # killed between save_checkpoint's renames
+    # killed between save_checkpoint's renames
+    if not ckpt.exists() and (tmp / "trainer_state.json").is_file():
         tmp.rename(ckpt)
     try:
         return json.loads((ckpt / "trainer_state.json").read_text())
@@ -124,8 +125,9 @@ def init_drafter(cfg: TrainConfig, target: Llama, store: TokenStore, path: Path)
         source = load_source(cfg.init_from, target.cfg, target.embed_tokens)
         if (source.cfg.aux_layer_ids or target.cfg.default_aux_layer_ids()) != target.aux_layer_ids:
             raise ValueError(
-                f"init_from {cfg.init_from} reads aux layers {source.cfg.aux_layer_ids}, the target "
-                f"captures {target.aux_layer_ids}: build it with load_target(..., aux_layer_ids)"
+                f"init_from {cfg.init_from} reads aux layers {source.cfg.aux_layer_ids}, "
+                f"the target captures {target.aux_layer_ids}: "
+                "build it with load_target(..., aux_layer_ids)"
             )
         dcfg = replace(source.cfg, draft_vocab_size=cfg.draft_vocab_size)
         state = {
@@ -140,8 +142,8 @@ def init_drafter(cfg: TrainConfig, target: Llama, store: TokenStore, path: Path)
         # benchmarks/init_from_probe.py).
         if len(source_ids) < 2 * (source_head.shape[1] + 1):
             log.warning(
-                "init_from %s has %d draft tokens, few for fitting the map of %d-wide head rows: the "
-                "rows of new tokens may start poorly",
+                "init_from %s has %d draft tokens, few for fitting the map of %d-wide head rows: "
+                "the rows of new tokens may start poorly",
                 cfg.init_from,
                 len(source_ids),
                 source_head.shape[1],
@@ -181,8 +183,9 @@ def _append_ones(rows: torch.Tensor) -> torch.Tensor:
 def save_checkpoint(
     path: Path, drafter: Eagle3Drafter, optimizer, step: int, metrics: dict, max_steps: int
 ) -> None:
-    """Written whole beside `path` (trainer_state.json last), then swapped in by renames: a run killed
-    at any point leaves the previous checkpoint or this one (`checkpoint_state` completes the swap)."""
+    """Written whole beside `path` (trainer_state.json last), then swapped in by renames: a run
+    killed at any point leaves the previous checkpoint or this one (`checkpoint_state`
+    completes the swap)."""
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
     save_drafter(tmp, drafter.cfg, drafter_state_dict(drafter))
@@ -250,9 +253,8 @@ def train_step(
     cfg: TrainConfig, target: Llama, drafter: Eagle3Drafter, draft_to_target, batch, device, dtype
 ):
     ids, lengths, prompt_lens = batch
-    rows, row_weight = loss_rows(
-        lengths, prompt_lens, ids.shape[1], cfg.prompt_loss_weight
-    )  # host: no GPU sync
+    # host: no GPU sync
+    rows, row_weight = loss_rows(lengths, prompt_lens, ids.shape[1], cfg.prompt_loss_weight)
     ids, rows, row_weight = (x.to(device, non_blocking=True) for x in (ids, rows, row_weight))
     hidden, aux = target_features(target, ids)  # [B, T, H], [B, T, 3H]
     # row t learns the target's distribution at t+1, inside the sequence as x[t+2] exists
@@ -354,7 +356,8 @@ def train(cfg: TrainConfig) -> dict:
         elapsed = time.perf_counter() - start
         if cfg.fit_steps_to_time and cfg.time_limit_s and (step - first_step) % 40 == 0:
             # Refit every 40 steps from the rate of the last 40: the first tens of steps run several
-            # times slower (kernels picked for new shapes), so one early estimate stops far too soon.
+            # times slower (kernels picked for new shapes), so one early
+            # estimate stops far too soon.
             rate = 40 / (elapsed - mark_s)
             fitted = step + int((cfg.time_limit_s - elapsed) * rate)
             schedule = schedule.model_copy(

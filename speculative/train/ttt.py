@@ -16,7 +16,8 @@ from speculative.drafter import Eagle3Drafter
 
 def ttt_mask(T: int, depth: int, device) -> torch.Tensor:
     """Which keys a depth-`depth` query may read: [T, (depth+1) * T] bool over the keys of depths
-    0..depth concatenated. Block 0: key s <= t - depth. Block i >= 1: only key s == t - depth + i."""
+    0..depth concatenated. Block 0: key s <= t - depth. Block i >= 1: only key
+    s == t - depth + i."""
     t = torch.arange(T, device=device).view(T, 1)
     s = torch.arange(T, device=device).view(1, T)
     blocks = [s <= t - depth] + [s == t - depth + i for i in range(1, depth + 1)]
@@ -34,19 +35,16 @@ def _layer(
     x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
     q, k, v = attn.qkv_proj(x).split([heads * D, kv_heads * D, kv_heads * D], dim=-1)
     q = attn.rotary(q.view(B, T, heads, D), positions).transpose(1, 2)  # [B, heads, T, D]
-    keys.append(
-        attn.rotary(k.view(B, T, kv_heads, D), positions).transpose(1, 2)
-    )  # [B, kv_heads, T, D]
+    # [B, kv_heads, T, D]
+    keys.append(attn.rotary(k.view(B, T, kv_heads, D), positions).transpose(1, 2))
     values.append(v.view(B, T, kv_heads, D).transpose(1, 2))
     depth = len(keys) - 1
-    all_keys = torch.cat(keys, dim=2).repeat_interleave(
-        heads // kv_heads, dim=1
-    )  # [B, heads, (depth+1)T, D]
+    # [B, heads, (depth+1)T, D]
+    all_keys = torch.cat(keys, dim=2).repeat_interleave(heads // kv_heads, dim=1)
     all_values = torch.cat(values, dim=2).repeat_interleave(heads // kv_heads, dim=1)
     mask = ttt_mask(T, depth, embeds.device)  # [T, (depth+1)T]
-    out = F.scaled_dot_product_attention(
-        q, all_keys, all_values, attn_mask=mask
-    )  # [B, heads, T, D]
+    # [B, heads, T, D]
+    out = F.scaled_dot_product_attention(q, all_keys, all_values, attn_mask=mask)
     h = hidden + attn.o_proj(out.transpose(1, 2).reshape(B, T, heads * D))
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
