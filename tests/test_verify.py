@@ -5,6 +5,7 @@ import torch
 from conftest import run_to_completion, tiny_engine, tiny_prompts
 
 import speculative.sampling
+import speculative.verify
 import workers.model_runner
 from speculative.config import SamplingParams
 from speculative.sampling import ACCEPT_STREAM, SAMPLE_STREAM, sample, target_probs, uniform
@@ -261,7 +262,7 @@ def test_steps_run_without_host_sync(tiny_dir, tiny_drafter_dir, case, drafts):
     "module, function, params",
     [
         (workers.model_runner, "verify_greedy", CASES["greedy"]),
-        (workers.model_runner, "verify_sampled", CASES["sampled"]),
+        (speculative.verify, "verify_sampled", CASES["sampled"]),
         (speculative.sampling, "sample", CASES["sampled"]),
     ],
 )
