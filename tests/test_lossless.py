@@ -802,9 +802,9 @@ def siblings_too_often(probs, drafts, u_accept, u_sample, siblings, u_sibling):
     [(accept_always, 0), (resample_without_removal, 0), (siblings_too_often, 1)],
 )
 def test_wrong_acceptance_rule_is_caught(v16_dirs, monkeypatch, wrong_rule, siblings):
-    import workers.model_runner
+    import speculative.verify
 
-    monkeypatch.setattr(workers.model_runner, "verify_sampled", wrong_rule)
+    monkeypatch.setattr(speculative.verify, "verify_sampled", wrong_rule)
     params = SAMPLING["t1"]
     joint, conditionals = exact_joint(v16_dirs[0], params)
     counts = sample_first_three(_engine(v16_dirs, True, 3, siblings=siblings), params, conditionals)
