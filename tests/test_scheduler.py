@@ -144,7 +144,7 @@ def test_eos(tmp_path, tiny_dir, tiny_drafter_dir, overlap):
         tiny_engine(eos_dir, tiny_drafter_dir, overlap=overlap),
     ):
         r = run_to_completion(engine, [prompt], SamplingParams(max_tokens=30))[0]
-        assert r.output_ids == full[:j] and r.finish_reason == "stop"
+        assert r.output_ids == full[: j + 1] and r.finish_reason == "stop"  # EOS kept
         r = run_to_completion(engine, [prompt], SamplingParams(max_tokens=30, ignore_eos=True))[0]
         assert r.output_ids == full and r.finish_reason == "length"
     # stop_token_ids: the same end for that token, per request and whatever ignore_eos says
@@ -158,7 +158,7 @@ def test_eos(tmp_path, tiny_dir, tiny_drafter_dir, overlap):
         ],
     )
     assert (
-        stopped.output_ids == full[:j]
+        stopped.output_ids == full[: j + 1]
         and stopped.finish_reason == "stop"
         and other.output_ids == full
     )
