@@ -65,7 +65,7 @@ def parse_json_object(body: bytes) -> dict:
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    # a lone surrogate escape ("\ud800") decodes but is no text: the tokenizer and responses fail on it
+    # a lone surrogate escape ("\ud800") decodes but is no text: tokenizer and replies fail on it
     try:
         json.dumps(data, ensure_ascii=False).encode()
     except UnicodeEncodeError:
