@@ -130,7 +130,7 @@ def test_max_tokens(tiny_dir, tiny_drafter_dir, max_tokens):
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_eos(tmp_path, tiny_dir, tiny_drafter_dir, overlap):
-    """The same weights with an EOS id the greedy output reaches at step j: output stops before it."""
+    """The same weights with an EOS id the greedy output reaches at step j: output ends with it."""
     prompt = tiny_prompts(1, seed=13)[0]
     full = solo_outputs(
         tiny_engine(tiny_dir), [prompt], SamplingParams(max_tokens=30, ignore_eos=True)

@@ -275,7 +275,8 @@ def test_echo_returns_the_prompt_and_its_logprobs(client):
 
 def test_tokenize_detokenize_and_stop_token_ids(base_url, client, alone):
     """vLLM's /tokenize and /detokenize (the ids the completion endpoints encode), and its
-    stop_token_ids extension: the answer ends before the first such token."""
+    stop_token_ids extension: the answer ends with the first such token, a generated token with
+    no text (as in vLLM)."""
 
     def post(path, body):
         r = _post(base_url, path, json.dumps({"model": MODEL} | body))
@@ -297,7 +298,7 @@ def test_tokenize_detokenize_and_stop_token_ids(base_url, client, alone):
     assert (
         r.choices[0].finish_reason == "stop"
         and r.choices[0].message.content == ""
-        and r.usage.completion_tokens == 0
+        and r.usage.completion_tokens == 1
     )
     assert (
         _post(base_url, "/detokenize", json.dumps({"model": MODEL, "tokens": [10**9]})).status_code
