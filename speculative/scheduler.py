@@ -393,8 +393,8 @@ class Scheduler:
 
     @staticmethod
     def _text_ids(r: Request) -> list[int]:
-        """The tokens of the request's text: its output (less a stop token), after the earlier output
-        of a resumed request."""
+        """The tokens of the request's text: its output (less a stop token), after the earlier
+        output of a resumed request."""
         prior = r.params.prior_output_tokens
         output = r.output_ids[:-1] if r.stop_token else r.output_ids
         return r.prompt_ids[len(r.prompt_ids) - prior :] + output if prior else output
