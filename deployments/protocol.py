@@ -347,16 +347,22 @@ def field_path(loc: tuple) -> str:
     return path
 
 
+# what a field of several forms may be, for an error that fits none of them
+_FORMS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "content": "a string or a list of text parts",
+    "stop": "a string or a list of up to 4 strings",
+}
+
+
 def validation_error(e: ValidationError) -> APIError:
-    """A 400 naming the first field that failed and everything that field failed on (each member
-    of a union it could have been)."""
+    """A 400 naming the first field that failed, in the client's words."""
     errors = e.errors()
     param = field_path(errors[0]["loc"]) or None
-    reasons = []
-    for err in errors:
-        if field_path(err["loc"]) == param and err["msg"] not in reasons:
-            reasons.append(err["msg"])
-    message = "; or ".join(reasons)
+    form = _FORMS.get(re.sub(r"\[.*", "", (param or "").rsplit(".", 1)[-1]))
+    union = any(isinstance(p, str) and _TYPE_TAG.search(p) for p in errors[0]["loc"])
+    message = f"must be {form}" if form and union else errors[0]["msg"]
+    message = message.removeprefix("Value error, ")
     return APIError(
         400, f"{param}: {message}" if param else message, param=param, code="invalid_value"
     )
