@@ -27,20 +27,26 @@ PAIRS = [
     ("The sky is", " blue today"),
 ]
 CHAT = [{"role": "user", "content": "Say hello."}]
+CHAT_EOS = [{"role": "user", "content": "Name a fruit."}]  # its next greedy token is made an EOS
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from speculative.engine import encode_prompt
+    from workers.loader import load_tokenizer
 
     path = tiny_llama(tmp_path_factory.mktemp("conf") / "tiny", layers=4, max_positions=256)
     config = json.loads((path / "config.json").read_text()) | {"model_type": "llama"}
     (path / "config.json").write_text(json.dumps(config))
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    ids = AutoTokenizer.from_pretrained(str(path)).encode("".join(PAIRS[0]))
-    with torch.no_grad():
-        eos = int(hf(torch.tensor([ids])).logits[0, -1].argmax())
-    (path / "config.json").write_text(json.dumps(config | {"eos_token_id": [2, eos]}))
+    tokenizer = load_tokenizer(path)
+    eos = [2]
+    for ids in (tokenizer.encode("".join(PAIRS[0])), encode_prompt(tokenizer, CHAT_EOS)):
+        with torch.no_grad():
+            eos.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    (path / "config.json").write_text(json.dumps(config | {"eos_token_id": eos}))
     return path
 
 
@@ -185,6 +191,37 @@ def test_models_and_errors_conform(base_url):
         r = post(base_url, path, body)
         assert r.status_code == status, r.text
         check(r.json(), "ErrorResponse")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_eos_is_a_generated_token(base_url, path, stream):
+    """A reply whose first token is the EOS: that token, with no text, its log-probability in
+    the logprobs and counted in usage (as vLLM does), streamed or not, through the drafter."""
+    if "chat" in path:
+        body = {"messages": CHAT_EOS, "logprobs": True, "top_logprobs": 1}
+    else:
+        body = {"prompt": "".join(PAIRS[0]), "logprobs": 1}
+    body |= {"max_tokens": 5, "temperature": 0}
+    if stream:
+        chunks = events(base_url, path, body | {"stream_options": {"include_usage": True}})
+        choices = [c for chunk in chunks for c in chunk["choices"]]
+        usage = chunks[-1]["usage"]
+    else:
+        reply = ok(base_url, path, body)
+        choices, usage = reply["choices"], reply["usage"]
+    assert usage["completion_tokens"] == 1 and choices[-1]["finish_reason"] == "stop"
+    if "chat" in path:
+        text = "".join(
+            c["delta"].get("content", "") if stream else c["message"]["content"] for c in choices
+        )
+        logprobs = [
+            e["logprob"] for c in choices if c["logprobs"] for e in c["logprobs"]["content"]
+        ]
+    else:
+        text = "".join(c["text"] for c in choices)
+        logprobs = [lp for c in choices if c["logprobs"] for lp in c["logprobs"]["token_logprobs"]]
+    assert text == "" and len(logprobs) == 1 and logprobs[0] < 0
 
 
 # ---- what clients send ----
