@@ -23,7 +23,7 @@ class Choice:
     index: int  # prompt i's choice j is i * n + j, as in OpenAI's API
     prompt_ids: list[int]
     params: SamplingParams
-    score_only: bool = False  # max_tokens 0: the prompt's log-probabilities, no output
+    is_prompt_only: bool = False  # max_tokens 0: the prompt's log-probabilities, no output
     stream: object = None  # the Serve response in progress, to cancel
     tokens: int = 0  # output tokens so far
     last: float = 0.0  # when the last ones came
@@ -144,7 +144,7 @@ async def generate(ingress, rid: str, choice: Choice):
         await asyncio.sleep(min(0.25 * 2**attempt, 2.0))
 
 
-def _score_only(item: RequestOutput) -> RequestOutput:
+def _prompt_only(item: RequestOutput) -> RequestOutput:
     """The item without its output (max_tokens 0): the engine generated one token to get there."""
     return RequestOutput(
         item.request_id, [], "", item.finish_reason and "length", 1.0, None, item.prompt_logprobs
@@ -198,7 +198,7 @@ class ChoiceRun:
         try:
             async for i, item in stream:
                 choice = self.choices[i]
-                item = _score_only(item) if choice.score_only else item
+                item = _prompt_only(item) if choice.is_prompt_only else item
                 self._observe(choice, item)
                 yield choice, item
         except Exception as e:

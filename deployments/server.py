@@ -194,7 +194,7 @@ class OpenAIIngress:
                 req, ids, max_tokens, param if len(prompts) == 1 else f"{param}[{i}]"
             )
             choices += [
-                Choice(i * req.n + j, ids, seeded_apart(params, j), score_only=max_tokens == 0)
+                Choice(i * req.n + j, ids, seeded_apart(params, j), is_prompt_only=max_tokens == 0)
                 for j in range(req.n)
             ]
         return choices

@@ -40,7 +40,7 @@ class Request:
         0  # a stop string counts if it ends past this many characters of text:
     )
     # a resumed request's earlier output, min_tokens' (None until then)
-    stop_token: bool = False  # the last output token is the EOS or stop token that ended it
+    ends_with_stop_token: bool = False  # the last output token is the EOS or stop token
 
     @property
     def is_finished(self) -> bool:
@@ -369,7 +369,7 @@ class Scheduler:
             ):
                 # a generated token (its id, log-probability, usage) with no text, as in vLLM:
                 # harnesses read the continuation's log-probabilities as all but the last token's
-                r.stop_token = True
+                r.ends_with_stop_token = True
                 self._finish(r, "stop")
                 break
             if r.params.stop and r.stops_after is None and len(r.output_ids) == r.params.min_tokens:
@@ -396,7 +396,7 @@ class Scheduler:
         """The tokens of the request's text: its output (less a stop token), after the earlier
         output of a resumed request."""
         prior = r.params.prior_output_tokens
-        output = r.output_ids[:-1] if r.stop_token else r.output_ids
+        output = r.output_ids[:-1] if r.ends_with_stop_token else r.output_ids
         return r.prompt_ids[len(r.prompt_ids) - prior :] + output if prior else output
 
     def _decode(self, r: Request) -> str:
