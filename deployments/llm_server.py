@@ -85,8 +85,8 @@ class LLMServer:
         if c.error:
             raise RuntimeError(f"decode loop failed: {c.error}")
         if (age := c.step_age_s()) > self.cfg.hung_step_s:
-            # a hung collective: kill the ranks so the step's requests fail now (and resume on another
-            # replica) instead of waiting for Serve to replace this one
+            # a hung collective: kill the ranks so the step's requests fail now (and resume on
+            # another replica) instead of waiting for Serve to replace this one
             for w in c.worker_handles():
                 ray.kill(w, no_restart=True)
             raise RuntimeError(f"a step has been in flight for {age:.0f} s; the TP group is hung")
@@ -108,7 +108,8 @@ def rank_resources(cfg: ServeConfig) -> dict[str, float]:
 
 def llm_server_options(cfg: ServeConfig) -> dict:
     rank_bundle = rank_resources(cfg)
-    # a failed replica is replaced after 3 failed checks; it gets 10 s to drain (its streams resume elsewhere)
+    # a failed replica is replaced after 3 failed checks; it gets 10 s to drain (its streams
+    # resume elsewhere)
     options = {
         "placement_group_bundles": [{"CPU": 0.01}] + [rank_bundle] * cfg.engine.tp,
         "placement_group_strategy": "STRICT_PACK",

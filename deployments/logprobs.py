@@ -1,6 +1,7 @@
-"""OpenAI's logprobs bodies from the engine's (token id, (log-probability, top [(id, log-probability)]))
-entries (None instead of the pair for an echoed prompt's first token). A token's bytes are its own,
-not those of its text decoded alone: a byte-level BPE token may hold part of a UTF-8 character."""
+"""OpenAI's logprobs bodies from the engine's entries: (token id, (log-probability, top [(id,
+log-probability)])), None instead of the pair for an echoed prompt's first token. A token's bytes
+are its own, not those of its text decoded alone: a byte-level BPE token may hold part of a UTF-8
+character."""
 
 import codecs
 
@@ -25,8 +26,8 @@ def _byte_decoder() -> dict[str, int]:
 class TextOffsets:
     """Where each token's text starts in a choice's text (in characters), from the bytes so far: a
     character split over tokens starts at the token that completes it. Special tokens, which the
-    completion's text leaves out, take no room; the first `verbatim` tokens (an echoed prompt, in the
-    text as it was given) do."""
+    completion's text leaves out, take no room; the first `verbatim` tokens (an echoed prompt, in
+    the text as it was given) do."""
 
     def __init__(self, verbatim: int = 0):
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -44,7 +45,7 @@ class LogprobFormatter:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.byte_of = _byte_decoder()
-        # what decoding with skip_special_tokens leaves out (all_special_ids may hold only some of it)
+        # what decoding with skip_special_tokens leaves out (all_special_ids may hold only some)
         self.special = set(tokenizer.all_special_ids) | {
             i for i, t in tokenizer.added_tokens_decoder.items() if t.special
         }
@@ -79,7 +80,8 @@ class LogprobFormatter:
             "content": [
                 entry(t, lp) | {"top_logprobs": [entry(i, v) for i, v in top]}
                 for t, (lp, top) in logprobs
-            ]
+            ],
+            "refusal": None,
         }
 
     def completion(self, logprobs: list | None, offsets: TextOffsets) -> dict | None:

@@ -1,6 +1,7 @@
 """OpenAI API request and response models (the subset served), and OpenAI-style errors."""
 
 import json
+import re
 import time
 import uuid
 from typing import Annotated, Literal
@@ -10,13 +11,14 @@ from pydantic import (
     ConfigDict,
     Field,
     Strict,
+    ValidationError,
     WithJsonSchema,
     field_validator,
     model_validator,
 )
 from pydantic.json_schema import models_json_schema
 
-from speculative.config import MAX_LOGIT_BIAS, LogitBiasValue, SamplingParams
+from speculative.config import LogitBiasValue, SamplingParams
 
 
 class APIError(Exception):
@@ -59,13 +61,12 @@ def parse_json_object(body: bytes) -> dict:
         data = json.loads(body)
     except RecursionError:
         raise APIError(400, "request body is nested too deeply", code="invalid_json") from None
-    except (
-        ValueError
-    ) as e:  # not JSON, not UTF-8/16/32, or an integer over Python's 4300-digit limit
+    except ValueError as e:  # not JSON, not UTF-8/16/32, or an integer over 4300 digits
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    try:  # a lone surrogate escape ("\ud800") decodes but is no text: the tokenizer and responses fail on it
+    # a lone surrogate escape ("\ud800") decodes but is no text: tokenizer and replies fail on it
+    try:
         json.dumps(data, ensure_ascii=False).encode()
     except UnicodeEncodeError:
         raise APIError(
@@ -101,15 +102,18 @@ _NON_EMPTY = {"type": "string", "minLength": 1}
 _STOP = WithJsonSchema(
     {"anyOf": [_NON_EMPTY, {"type": "array", "items": _NON_EMPTY, "maxItems": 4}, {"type": "null"}]}
 )
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 _PROMPT = WithJsonSchema(
     {
         "anyOf": [
             _NON_EMPTY,
-            {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
-            {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+            {"type": "array", "items": _NON_EMPTY, "minItems": 1},
+            _TOKEN_IDS,
+            {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
         ]
     }
 )
+TokenIds = list[Annotated[int, Strict()]]  # strict: no booleans
 
 
 def _only_with(flag: str):
@@ -123,6 +127,17 @@ def _only_with(flag: str):
     return classmethod(check)
 
 
+def _like(name: str, default=...):
+    """A request field bounded as SamplingParams' field `name` is, so that the two cannot drift (a
+    bound only the engine knew was a 500, not a 400)."""
+    field = SamplingParams.model_fields[name]
+    keys = ("ge", "gt", "le", "lt", "max_length")
+    bounds = {k: getattr(m, k) for m in field.metadata for k in keys if hasattr(m, k)}
+    if default is ...:
+        default = field.get_default(call_default_factory=True)
+    return Field(default, **bounds)
+
+
 class _SamplingRequest(BaseModel):
     """Fields shared by both endpoints. Options we do not implement are refused, never ignored
     (unknown fields too: `refuse_unknown`, hence no additionalProperties in the schema)."""
@@ -131,24 +146,22 @@ class _SamplingRequest(BaseModel):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(
-        0, ge=-1, le=2**31 - 1
-    )  # any k over the vocabulary is no cut; over int64 it failed the step
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    temperature: float = _like("temperature", 1.0)
+    top_p: float = Field(1.0, ge=0.0, le=1.0)  # 0: greedy (SamplingParams' is above 0)
+    top_k: int = _like("top_k")  # any k over the vocabulary is no cut
+    min_p: float = _like("min_p")
     n: int = Field(1, ge=1, le=128)  # choices, each a request of its own (OpenAI's limit)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Annotated[str | list[str] | None, _STOP] = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # vLLM's extension
-    min_tokens: int = Field(0, ge=0)  # vLLM's extension
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # OpenAI's int64
+    presence_penalty: float = _like("presence_penalty")
+    frequency_penalty: float = _like("frequency_penalty")
+    repetition_penalty: float = _like("repetition_penalty")  # vLLM's extension
+    min_tokens: int = _like("min_tokens")  # vLLM's extension
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Strict()]] | None = Field(None, max_length=64)
-    logit_bias: dict[str, LogitBiasValue] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    stop_token_ids: TokenIds | None = _like("stop_token_ids", None)
+    logit_bias: dict[str, LogitBiasValue] | None = _like("logit_bias", None)
     user: str | None = None
 
     @model_validator(mode="before")
@@ -189,13 +202,17 @@ class _SamplingRequest(BaseModel):
     def num_prompt_logprobs(self) -> int | None:
         return None
 
+    def num_choices(self) -> int:
+        return self.n
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
+        greedy = self.top_p == 0  # only the most likely token is left
         return SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p,
+            temperature=0.0 if greedy else self.temperature,
+            top_p=1.0 if greedy else self.top_p,
             top_k=self.top_k,
             min_p=self.min_p,
-            seed=self.seed,
+            seed=None if self.seed is None else self.seed % 2**63,
             max_tokens=max_tokens,
             stop=self.stop or [],
             stop_token_ids=self.stop_token_ids or [],
@@ -214,7 +231,7 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = _like("logprobs", None)
 
     _top_needs_logprobs = field_validator("top_logprobs")(_only_with("logprobs"))
 
@@ -223,14 +240,11 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Annotated[
-        str | list[str] | list[Annotated[int, Strict()]], _PROMPT
-    ]  # strict: no booleans
+    # a string, strings, token ids or lists of them: a list of prompts (see _prompts)
+    prompt: Annotated[str | list[str] | TokenIds | list[TokenIds], _PROMPT]
     echo: bool = False  # the prompt before the completion, in the text and the logprobs
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: Annotated[int, Strict()] | None = Field(
-        None, ge=0, le=20
-    )  # OpenAI's limit is 5, vLLM's 20
+    max_tokens: int | None = Field(16, ge=0)  # 0: the prompt's log-probabilities only (echo)
+    logprobs: Annotated[int, Strict()] | None = _like("logprobs", None)  # OpenAI's limit: 5
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -238,15 +252,18 @@ class CompletionRequest(_SamplingRequest):
     def num_prompt_logprobs(self) -> int | None:
         return self.logprobs if self.echo else None
 
+    def num_choices(self) -> int:
+        return self.n * len(self.prompt)
+
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], str):
-            if len(v) != 1:
-                raise ValueError("only one prompt per request is supported")
-            return v[0]
-        if isinstance(v, list) and not v:
-            raise ValueError("the prompt is empty")
+    def _prompts(cls, v):
+        """The prompts, each a string or token ids, each with its own n choices (prompt i's choice
+        j has index i * n + j, as in OpenAI's API)."""
+        if isinstance(v, str) or v and isinstance(v[0], int):
+            v = [v]
+        if not v or not all(v):
+            raise ValueError("a prompt is empty")
         return v
 
 
@@ -273,39 +290,82 @@ class DetokenizeRequest(BaseModel):
 
 
 KNOWN_FIELDS = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
-IGNORED_FIELDS = {
-    "response_format",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "metadata",
-    "store",
-    "service_tier",
-    "suffix",
-    "best_of",
-    "prediction",
-    "modalities",
-    "reasoning_effort",
-    "audio",
-    "web_search_options",
+# OpenAI's options we do not implement, and the values of each that ask for what we do anyway
+NO_OP_VALUES = {
+    "response_format": [{"type": "text"}],
+    "tools": [[]],
+    "tool_choice": ["none"],
+    "parallel_tool_calls": [False],
+    "metadata": [{}],
+    "store": [False],
+    "service_tier": ["auto", "default"],
+    "suffix": [""],
+    "best_of": [1],
+    "prediction": [],
+    "modalities": [["text"]],
+    "reasoning_effort": [],
+    "audio": [],
+    "web_search_options": [],
 }
-DEFAULT_VALUES = (
-    None,
-    False,
-    [],
-    {},
-    {"type": "text"},
-)  # what those fields may hold: what we do anyway
+
+
+def _same(a, b) -> bool:
+    """Equal as JSON values (1 == True in Python, not in JSON)."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
 def refuse_unknown(req: _SamplingRequest) -> None:
-    """Unsupported options with a non-default value are refused; unknown fields too."""
+    """Unsupported options with a value that would change behaviour are refused; unknown fields
+    too."""
     for name, value in (req.model_extra or {}).items():
-        if name in IGNORED_FIELDS and value in DEFAULT_VALUES:
+        no_ops = [None] + NO_OP_VALUES.get(name, [])
+        if name in NO_OP_VALUES and any(_same(value, v) for v in no_ops):
+            continue
+        if name == "best_of" and _same(value, req.n):  # as many as are returned: no choice made
             continue
         raise APIError(
             400, f"unsupported parameter {name!r}", param=name, code="unsupported_parameter"
         )
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|[A-Z]\w*)$|[\[\-]")
+
+
+def field_path(loc: tuple) -> str:
+    """A validation error's location as the request field, in the client's words: ("messages", 1,
+    "content", "str") is messages[1].content (pydantic's union members, "str", are left out)."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif _TYPE_TAG.search(part):
+            continue
+        elif part.isidentifier():
+            path += f".{part}" if path else part
+        else:
+            path += f"[{json.dumps(part)}]"
+    return path
+
+
+# what a field of several forms may be, for an error that fits none of them
+_FORMS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "content": "a string or a list of text parts",
+    "stop": "a string or a list of up to 4 strings",
+}
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """A 400 naming the first field that failed, in the client's words."""
+    errors = e.errors()
+    param = field_path(errors[0]["loc"]) or None
+    form = _FORMS.get(re.sub(r"\[.*", "", (param or "").rsplit(".", 1)[-1]))
+    union = any(isinstance(p, str) and _TYPE_TAG.search(p) for p in errors[0]["loc"])
+    message = f"must be {form}" if form and union else errors[0]["msg"]
+    message = message.removeprefix("Value error, ")
+    return APIError(
+        400, f"{param}: {message}" if param else message, param=param, code="invalid_value"
+    )
 
 
 def request_schemas() -> dict:
@@ -318,7 +378,7 @@ def request_schemas() -> dict:
 
 
 def json_body(model: type[BaseModel]) -> dict:
-    """A route's OpenAPI requestBody, for routes that parse their own body (see `request_schemas`)."""
+    """A route's OpenAPI requestBody, for routes that parse their own body (`request_schemas`)."""
     schema = {"$ref": f"#/components/schemas/{model.__name__}"}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 

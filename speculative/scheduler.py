@@ -40,6 +40,7 @@ class Request:
         0  # a stop string counts if it ends past this many characters of text:
     )
     # a resumed request's earlier output, min_tokens' (None until then)
+    ends_with_stop_token: bool = False  # the last output token is the EOS or stop token
 
     @property
     def is_finished(self) -> bool:
@@ -345,15 +346,18 @@ class Scheduler:
         for token in tokens:
             if len(r.output_ids) >= r.params.max_tokens:
                 break
+            r.output_ids.append(token)
+            new.append(token)
             if (
                 token in self.eos_token_ids
                 and not r.params.ignore_eos
                 or token in r.params.stop_token_ids
             ):
+                # a generated token (its id, log-probability, usage) with no text, as in vLLM:
+                # harnesses read the continuation's log-probabilities as all but the last token's
+                r.ends_with_stop_token = True
                 self._finish(r, "stop")
                 break
-            r.output_ids.append(token)
-            new.append(token)
             if r.params.stop and r.stops_after is None and len(r.output_ids) == r.params.min_tokens:
                 r.stops_after = len(self._decode(r))
             # token by token, so the output ends where plain decoding (one token a step) ends it
@@ -375,9 +379,11 @@ class Scheduler:
 
     @staticmethod
     def _text_ids(r: Request) -> list[int]:
-        """The tokens of the request's text: its output, after the earlier output of a resumed request."""
+        """The tokens of the request's text: its output (less a stop token), after the earlier
+        output of a resumed request."""
         prior = r.params.prior_output_tokens
-        return r.prompt_ids[len(r.prompt_ids) - prior :] + r.output_ids if prior else r.output_ids
+        output = r.output_ids[:-1] if r.ends_with_stop_token else r.output_ids
+        return r.prompt_ids[len(r.prompt_ids) - prior :] + output if prior else output
 
     def _decode(self, r: Request) -> str:
         return self.tokenizer.decode(self._text_ids(r), skip_special_tokens=True)

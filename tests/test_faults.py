@@ -1,7 +1,7 @@
-"""Faults under load (CPU, two replicas of a tiny TP=2 model): a killed rank, a killed replica, a hung
-collective, both replicas lost at once, overload. No request is lost silently: each stream completes
-(resumed on a surviving replica, greedy text identical to an undisturbed run) or ends with an
-explicit error; the deployment recovers and the recovery time is measured."""
+"""Faults under load (CPU, two replicas of a tiny TP=2 model): a killed rank, a killed replica, a
+hung collective, both replicas lost at once, overload. No request is lost silently: each stream
+completes (resumed on a surviving replica, greedy text identical to an undisturbed run) or ends with
+an explicit error; the deployment recovers and the recovery time is measured."""
 
 import concurrent.futures
 import json
@@ -121,7 +121,8 @@ def _alive(pid) -> bool:
 
 
 def _wait_recovered(base_url, handle, old_pids: set, since: float, n=2) -> float:
-    """Seconds from the fault until Serve runs n healthy replicas, one of them new, and a request works."""
+    """Seconds from the fault until Serve runs n healthy replicas, one of them new, and a request
+    works."""
     deadline = since + 180
     while time.monotonic() < deadline:
         status = serve.status().applications["eagleserve"].deployments["LLMServer"]
@@ -216,8 +217,8 @@ def test_hung_collective_fails_health_check_and_is_replaced(app, reference):
 
 
 def test_both_replicas_lost_no_stream_lost_silently(app, reference):
-    """Every rank of both replicas killed at once: streams wait for a replacement (resume) or end with
-    an explicit error; none ends early without one."""
+    """Every rank of both replicas killed at once: streams wait for a replacement (resume) or end
+    with an explicit error; none ends early without one."""
     base_url, handle = app
     victims = _replicas(handle)
 

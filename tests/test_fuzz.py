@@ -1,8 +1,9 @@
-"""Property-based fuzzing of the HTTP endpoint (a tiny random model, one replica): schemathesis drives
-every operation of the app's own OpenAPI schema with schema-valid and schema-violating requests, and
-hypothesis sends malformed bodies (random bytes, wrong types, out-of-range and huge numbers, invalid
-Unicode, deep nesting). No request may get a 5xx or take the replica down: afterwards the same replica
-answers a normal chat request exactly as before. Oversized bodies get 413, over-long prompts 400."""
+"""Property-based fuzzing of the HTTP endpoint (a tiny random model, one replica): schemathesis
+drives every operation of the app's own OpenAPI schema with schema-valid and schema-violating
+requests, and hypothesis sends malformed bodies (random bytes, wrong types, out-of-range and huge
+numbers, invalid Unicode, deep nesting). No request may get a 5xx or take the replica down:
+afterwards the same replica answers a normal chat request exactly as before. Oversized bodies get
+413, over-long prompts 400."""
 
 import json
 
@@ -269,8 +270,9 @@ def test_malformed_bodies_get_no_server_error(app, path):
     check()
 
 
-# what the fuzzing found (500s, and a 503 that took the replica's engine down): JSON members added to
-# (or replacing, the last of duplicate keys wins) those of a valid request, the same or one per path
+# what the fuzzing found (500s, and a 503 that took the replica's engine down): JSON members added
+# to (or replacing, the last of duplicate keys wins) those of a valid request, the same or one per
+# path
 FOUND = {
     "deep nesting": '"user": ' + "[" * 1500 + "]" * 1500,  # RecursionError in json.loads
     "5001-digit integer": '"seed": 1' + "0" * 5000,  # ValueError in json.loads

@@ -331,7 +331,7 @@ def test_penalties_and_logit_bias_greedy_equal_the_reference(tiny_dir, tiny_draf
 
 def min_tokens_greedy(model_dir, prompt: list[int], params: SamplingParams) -> list[int]:
     """Greedy decoding from Hugging Face logits where the stop tokens cannot be chosen before
-    min_tokens, ending at the first stop token after (which is not part of the output)."""
+    min_tokens, ending with the first stop token after (a generated token, as in vLLM)."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
@@ -341,10 +341,9 @@ def min_tokens_greedy(model_dir, prompt: list[int], params: SamplingParams) -> l
             logits = hf(torch.tensor([prompt + out])).logits[0, -1]
         if len(out) < params.min_tokens:
             logits[params.stop_token_ids] = float("-inf")
-        token = int(logits.argmax())
-        if token in params.stop_token_ids:
+        out.append(int(logits.argmax()))
+        if out[-1] in params.stop_token_ids:
             break
-        out.append(token)
     return out
 
 
@@ -368,8 +367,8 @@ def test_min_tokens_holds_back_stop_tokens(tiny_dir, tiny_drafter_dir, prompts, 
         for i, ((ref, j), m) in enumerate(zip(cases, [0, 0, 0, 25, 0, 7, 0]))
     ]
     refs = [min_tokens_greedy(tiny_dir, prompt, p) for prompt, p in zip(prompts, params)]
-    assert len(refs[1]) == 2 and len(refs[3]) >= 25  # the stop tokens do stop the output
-    assert all(refs[i] == ref[:j] for i, (ref, j) in enumerate(cases) if i % 2 == 0)
+    assert len(refs[1]) == 3 and len(refs[3]) >= 25  # the stop tokens do stop the output
+    assert all(refs[i] == ref[: j + 1] for i, (ref, j) in enumerate(cases) if i % 2 == 0)
     engine = tiny_engine(tiny_dir, max_batch_size=4)
     assert [r.output_ids for r in run_to_completion(engine, prompts, params, JOINS)] == refs
     # resumed after t tokens (as the server resubmits): what is left of min_tokens
@@ -384,8 +383,11 @@ def test_min_tokens_holds_back_stop_tokens(tiny_dir, tiny_drafter_dir, prompts, 
             )
             for p in params
         ]
-        got = run_to_completion(engine, [p + ref[:t] for p, ref in zip(prompts, refs)], resumed)
-        assert [r.output_ids for r in got] == [ref[t:] for ref in refs], t
+        live = [i for i, ref in enumerate(refs) if len(ref) > t]  # an ended one is not resumed
+        got = run_to_completion(
+            engine, [prompts[i] + refs[i][:t] for i in live], [resumed[i] for i in live]
+        )
+        assert [r.output_ids for r in got] == [refs[i][t:] for i in live], t
     for siblings in (0, 1):
         engine = tiny_engine(
             tiny_dir,
@@ -414,7 +416,7 @@ def test_min_tokens_ends_with_its_request(tiny_dir, prompts, plain_ref):
     ]
     engine = tiny_engine(tiny_dir, max_batch_size=2)
     requests = run_to_completion(engine, prompts[:4], params, [0, 0, 25, 26])
-    assert requests[2].output_ids == plain_ref[2][:ends] and requests[2].finish_reason == "stop"
+    assert requests[2].output_ids == plain_ref[2][: ends + 1] and requests[2].finish_reason == "stop"
 
 
 @pytest.mark.parametrize("k, siblings", [(1, 0), (3, 0), (3, 1)])

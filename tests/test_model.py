@@ -147,7 +147,7 @@ def hf_greedy_64(hf_smollm2, smollm2_prompts, smollm2_engine):
                 eos_token_id=eos,
                 pad_token_id=eos[0],
             )[:, T:].tolist()
-            outs += [o[: next((i for i, t in enumerate(o) if t in eos), len(o))] for o in out]
+            outs += [o[: next((i + 1 for i, t in enumerate(o) if t in eos), len(o))] for o in out]
     return outs
 
 

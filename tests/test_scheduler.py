@@ -131,8 +131,8 @@ def test_max_tokens(tiny_dir, tiny_drafter_dir, max_tokens):
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_eos(tmp_path, tiny_dir, tiny_drafter_dir, overlap):
-    """The same weights with an EOS id the greedy output reaches at step j:
-    output stops before it."""
+    """The same weights with an EOS id the greedy output reaches at step j: output ends with
+    it."""
     prompt = tiny_prompts(1, seed=13)[0]
     full = solo_outputs(
         tiny_engine(tiny_dir), [prompt], SamplingParams(max_tokens=30, ignore_eos=True)
@@ -146,7 +146,7 @@ def test_eos(tmp_path, tiny_dir, tiny_drafter_dir, overlap):
         tiny_engine(eos_dir, tiny_drafter_dir, overlap=overlap),
     ):
         r = run_to_completion(engine, [prompt], SamplingParams(max_tokens=30))[0]
-        assert r.output_ids == full[:j] and r.finish_reason == "stop"
+        assert r.output_ids == full[: j + 1] and r.finish_reason == "stop"  # EOS kept
         r = run_to_completion(engine, [prompt], SamplingParams(max_tokens=30, ignore_eos=True))[0]
         assert r.output_ids == full and r.finish_reason == "length"
     # stop_token_ids: the same end for that token, per request and whatever ignore_eos says
@@ -160,7 +160,7 @@ def test_eos(tmp_path, tiny_dir, tiny_drafter_dir, overlap):
         ],
     )
     assert (
-        stopped.output_ids == full[:j]
+        stopped.output_ids == full[: j + 1]
         and stopped.finish_reason == "stop"
         and other.output_ids == full
     )
