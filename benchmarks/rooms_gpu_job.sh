@@ -10,12 +10,12 @@ source "$(dirname "$0")/device_env.sh"
 ROOT=$PWD
 PARTS=" ${PARTS:-checks bench} "
 if [[ "$PARTS" == *" checks "* ]]; then
-    EAGLESERVE_GPU_MODEL=$M EAGLESERVE_GPU_DRAFTER=$D timeout 500 python3 tests/test_gpu.py 2>&1 \
+    EAGLESERVE_GPU_MODEL=$M EAGLESERVE_GPU_DRAFTER=$D timeout ${CHECKS_TIMEOUT:-500} python3 tests/test_gpu.py 2>&1 \
         | tee $OUT/gpu_checks.log | quiet 14
 fi
 bench() {  # NAME TREE
-    (cd "$2" && PYTHONPATH=/tmp/site:$PWD timeout 280 python3 -m deployments.cli bench \
-        --model $M --drafter "$ROOT/$D" --dataset "$ROOT/$DATA" --output-len 256 \
+    (cd "$2" && PYTHONPATH=/tmp/site:$PWD timeout ${BENCH_TIMEOUT:-280} python3 -m deployments.cli bench \
+        --model $M --drafter "$ROOT/$D" --dataset "$ROOT/$DATA" --output-len ${OUTPUT_LEN:-256} \
         --num-prompts 32 --batch 1,8,32 --modes plain,eagle -k 5 --overlap on --cuda-graphs on \
         -o $OUT/bench_$1.json 2>&1 | quiet 8)
 }
