@@ -229,7 +229,7 @@ def test_gqa_attention_equals_folded_under_cudnn():
 
     from workers.attention import CachedAttention, attention_inputs, use_gqa
     from workers.kv_cache import ForwardBatch
-    from workers.layers import Rotary
+    from workers.rotary import Rotary
 
     torch.manual_seed(0)
     dev, dt, H, KV, D = torch.device("cuda"), torch.bfloat16, 9, 3, 64
