@@ -18,9 +18,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-GSM8K = HERE.parents[1] / "shared" / "data" / "gsm8k" / "test.jsonl"
-if not GSM8K.is_file():
-    GSM8K = Path("/work/shared/data/gsm8k/test.jsonl")
 
 
 def peak_rss_mib() -> float:
@@ -45,6 +42,7 @@ def run_config(spec: dict) -> dict:
     capture = LogCapture()
     logging.getLogger().addHandler(capture)
     logging.getLogger().setLevel(logging.INFO)
+    from deployments.bench import load_prompts
     from speculative.config import EngineConfig, SamplingParams
     from speculative.engine import LLMEngine, encode_prompt
 
@@ -60,10 +58,7 @@ def run_config(spec: dict) -> dict:
         )
     )
     load_s = time.perf_counter() - start
-    questions = [
-        json.loads(line)["question"]
-        for line in GSM8K.read_text().splitlines()[: spec["num_prompts"]]
-    ]
+    questions = load_prompts(None, spec["num_prompts"])  # GSM8K test
     prompts = [encode_prompt(engine.tokenizer, q) for q in questions]
     params = SamplingParams(max_tokens=spec["max_tokens"])
     engine.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up

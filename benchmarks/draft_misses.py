@@ -37,8 +37,6 @@ from speculative.train.config import DistillConfig, TrainConfig  # noqa: E402
 from speculative.train.data import prompt_order, read_prompts  # noqa: E402
 from speculative.train.trainer import train_step  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
 
 def training_order(data_root: Path) -> list[str]:
     """The training prompts in the default distillation order."""
@@ -148,7 +146,12 @@ def main(argv=None) -> None:
     p.add_argument(
         "--prompt-lookup", type=float, default=0.0, help="EngineConfig.prompt_lookup (0: off)"
     )
-    p.add_argument("--data-root", type=Path, default=DATA)
+    p.add_argument(
+        "--data-root",
+        type=Path,
+        required=True,
+        help="folder with train_prompts/ and gsm8k/train.jsonl.gz (not shipped: training data)",
+    )
     p.add_argument("-o", "--output", type=Path)
     args = p.parse_args(argv)
     engine = LLMEngine(
@@ -163,7 +166,7 @@ def main(argv=None) -> None:
         )
     )
     sets = {
-        name.removeprefix("eagle_"): texts for name, texts in load_sets(args.data_root, 0).items()
+        name.removeprefix("eagle_"): texts for name, texts in load_sets(0).items()
     }
     order = training_order(args.data_root)
     sets["train_seen"], sets["train_unseen"] = first_and_last(order, args.num_prompts, (0, 1500))

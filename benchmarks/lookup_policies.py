@@ -92,9 +92,6 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--max-batch-size", type=int, default=80)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument(
-        "--data-root", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data"
-    )
     p.add_argument("-o", "--output", type=Path)
     args = p.parse_args(argv)
     # prompt_lookup > 0 so that the runner keeps the token history; the rules decide the rest. No
@@ -116,7 +113,7 @@ def main(argv=None) -> None:
     runner = engine.executor
     sets = {
         name: [encode_prompt(engine.tokenizer, t) for t in texts[: args.num_prompts]]
-        for name, texts in load_sets(args.data_root, 0, args.sets).items()
+        for name, texts in load_sets(0, args.sets).items()
     }
     results = []
     for rule in args.rules:

@@ -27,8 +27,8 @@ def main() -> None:
     ap.add_argument(
         "--data-root",
         type=Path,
-        default=ROOT.parent / "shared" / "data",
-        help="where the config's .device/data/ prompt files are",
+        required=True,
+        help="where the config's .device/data/ prompt files are (training data, not shipped)",
     )
     ap.add_argument("--skip", type=int, default=70763)
     ap.add_argument(

@@ -31,8 +31,6 @@ from speculative.train.ttt import loss_rows  # noqa: E402
 from workers.device import pick_device, pick_dtype  # noqa: E402
 from workers.loader import resolve_model  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
 
 def gsm8k_store(model: str, path: Path) -> TokenStore:
     from transformers import AutoTokenizer
@@ -106,14 +104,20 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--drafter", default="speculative/drafters/smollm2-135m")
     p.add_argument(
-        "--data", type=Path, help="distilled parts (default: GSM8K train with its answers)"
+        "--data", type=Path, help="distilled parts (or --data-root: GSM8K train with its answers)"
     )
-    p.add_argument("--data-root", type=Path, default=DATA)
+    p.add_argument(
+        "--data-root",
+        type=Path,
+        help="folder with gsm8k/train.jsonl.gz (not shipped: training data)",
+    )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--batch-tokens", type=int, help="default: the config's")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("-o", "--output", type=Path)
     args = p.parse_args()
+    if not args.data and not args.data_root:
+        p.error("give --data or --data-root")
     device = pick_device(args.device)
     dtype = pick_dtype("auto", device)
     cfg = TrainConfig(**json.loads(args.config.read_text()))

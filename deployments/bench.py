@@ -15,12 +15,20 @@ from tqdm import tqdm
 from speculative.config import EngineConfig, SamplingParams
 from speculative.jsonl import read_rows
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parent / "data"  # shipped prompts: data/PROVENANCE.md
+GSM8K_TEST = DATA / "gsm8k" / "test.jsonl.gz"
+EAGLE_SETS = ("gsm8k", "alpaca", "sum", "qa")
+
+
+def eagle_set(name: str) -> Path:
+    """One of the EAGLE benchmark question sets (EAGLE_SETS), MT-Bench rows."""
+    return DATA / "eagle_bench" / f"{name}.jsonl.gz"
 
 
 def load_prompts(path: str | None, num: int) -> list[str]:
-    """GSM8K test questions by default; else any JSONL with prompt, question or turns[0]."""
-    path = Path(path) if path else DATA / "gsm8k" / "test.jsonl"
+    """The first `num` prompts (0: all) of the shipped GSM8K test questions by default, else of any
+    JSONL(.gz) whose rows hold prompt, question or turns[0]."""
+    path = Path(path) if path else GSM8K_TEST
     if not path.is_file():
         raise FileNotFoundError(f"dataset {path} not found")
     prompts = []

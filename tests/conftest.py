@@ -1,6 +1,6 @@
 """Shared fixtures: tiny random-weight Llama targets written as Hugging Face directories, random
-EAGLE-3 drafters for them, prompts from ../shared/data, and session-scoped engines on the real
-SmolLM2-135M (loaded once for the whole run)."""
+EAGLE-3 drafters for them, prompts from the benchmark sets shipped in deployments/data, and
+session-scoped engines on the real SmolLM2-135M (loaded once for the whole run)."""
 
 import json
 import os
@@ -10,13 +10,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from deployments.bench import eagle_set, load_prompts
+
 # A 2-core machine shared with other jobs: OpenMP worker threads spin against each other and make
 # small ops 10-100x slower. One intra-op thread is faster here; override with EAGLESERVE_TEST_THREADS.
 torch.set_num_threads(int(os.environ.get("EAGLESERVE_TEST_THREADS", "1")))
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-if not DATA.is_dir():
-    DATA = Path("/work/shared/data")
 
 
 # ---- tiny random models ----
@@ -177,16 +175,11 @@ def tiny_prompts(
 
 def bench_questions(n: int) -> list[str]:
     """n prompts mixing the EAGLE benchmark sets (gsm8k, alpaca, qa: turns[0]) and GSM8K test."""
-    sources = [DATA / "eagle_bench" / name / "question.jsonl" for name in ("gsm8k", "alpaca", "qa")]
     per = -(-n // 4)
     out = []
-    for src in sources:
-        rows = [json.loads(line) for line in src.read_text().splitlines()[:per]]
-        out += [r["turns"][0] for r in rows]
-    out += [
-        json.loads(line)["question"]
-        for line in (DATA / "gsm8k" / "test.jsonl").read_text().splitlines()[:per]
-    ]
+    for name in ("gsm8k", "alpaca", "qa"):
+        out += load_prompts(str(eagle_set(name)), per)
+    out += load_prompts(None, per)  # GSM8K test
     return out[:n]
 
 

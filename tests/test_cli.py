@@ -7,7 +7,7 @@ import sys
 import time
 
 import pytest
-from conftest import DATA, bench_questions
+from conftest import bench_questions
 
 ENV = os.environ | {"OMP_NUM_THREADS": os.environ.get("EAGLESERVE_TEST_THREADS", "1")}
 
@@ -124,8 +124,6 @@ def test_bench_writes_table_and_json(tmp_path):
         "bench",
         "--device",
         "cpu",
-        "--dataset",
-        DATA / "gsm8k" / "test.jsonl",
         "--batch",
         "1,2",
         "-k",
