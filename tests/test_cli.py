@@ -2,9 +2,13 @@
 
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 from conftest import bench_questions
@@ -110,8 +114,6 @@ def test_bad_input_exits_with_a_message(tmp_path, case, content, args, message):
     proc = eagleserve("generate", path, "-o", tmp_path / "out.jsonl", *args, timeout=120)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
-    import re
-
     assert re.search(message, proc.stderr), proc.stderr[-1000:]
     assert not (tmp_path / "out.jsonl").exists()
 
@@ -211,3 +213,81 @@ def test_gpu_utilization_is_the_busiest_gpus_mean(monkeypatch):
     with GpuUtilization(enabled=False, interval_s=0.001) as utilization:  # a CPU run
         time.sleep(0.01)
     assert utilization.busy_fraction is None
+
+
+def _socket_dirs() -> set[str]:
+    """This code's ipc socket directories (eagleserve-<pid>-*) in the temp dir."""
+    tmp = tempfile.gettempdir()
+    return {n for n in os.listdir(tmp) if re.fullmatch(r"eagleserve-\d+-\w+", n)}
+
+
+def test_engine_leaves_no_socket_files(tmp_path, prompts_file):
+    """Two TP=2 engine runs on one node (ipc channels) leave no socket directory behind, and the
+    first removes one that a crashed earlier run (a pid no longer alive) left."""
+    from tiny_models import tiny_llama
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], text=True, capture_output=True
+    ).stdout.strip()
+    stale = Path(tempfile.gettempdir()) / f"eagleserve-{dead}-crashed"
+    (stale / "plan-0").parent.mkdir()
+    (stale / "plan-0").write_text("")
+    before = _socket_dirs() - {stale.name}
+    model = tiny_llama(tmp_path / "tiny", layers=2)
+    for run in range(2):
+        out = tmp_path / f"out{run}.jsonl"
+        proc = eagleserve(
+            "generate",
+            prompts_file,
+            "-o",
+            out,
+            "--model",
+            model,
+            "--drafter",
+            "none",
+            "--tp",
+            2,
+            "--device",
+            "cpu",
+            "--max-tokens",
+            4,
+            "--max-model-len",
+            512,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert len(out.read_text().splitlines()) == 4
+        assert not stale.exists()
+        assert _socket_dirs() <= before  # concurrent runs of other checkouts may add theirs
+
+
+def test_port_in_use_is_one_line(tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = eagleserve("serve", "--port", port, "--device", "cpu", timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: cannot listen on 127.0.0.1:{port} (Address already in use); "
+        "pick another with --port or stop what holds it"
+    ]
+
+
+def test_version_and_help_tell_defaults():
+    from importlib.metadata import version
+
+    proc = eagleserve("--version", timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"eagleserve {version('eagleserve')}"
+    serve_help = " ".join(eagleserve("serve", "--help", timeout=60).stdout.split())
+    assert "--api-key" in serve_help and "--served-model-name" in serve_help
+    assert "(default: 64, or the --config file's)" in serve_help  # --max-waiting-requests
+    for command in ("generate", "bench", "loadtest", "serve"):
+        text = eagleserve(command, "--help", timeout=60).stdout
+        flags = re.findall(r"^  (-[-\w]+)", text, re.M)
+        assert len(flags) > 5
+        # each flag's entry (up to the next) has help text and names its default
+        entries = re.split(r"\n  (?=-)", text.split("options:", 1)[1])[1:]
+        for entry in entries:
+            if entry.startswith(("-h", "--version")):
+                continue
+            assert "default:" in " ".join(entry.split()), (command, entry)
