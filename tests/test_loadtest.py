@@ -188,10 +188,13 @@ def test_prompt_files_are_checked(tmp_path):
 
 
 STREAMS = {  # model name -> the SSE body a misbehaving server sends
-    "no-space": 'data:{"choices": [{"text": "hi"}]}\n\ndata:{"choices": [], "usage": {"completion_tokens": 3}}\n\n'
+    "no-space": 'data:{"choices": [{"text": "hi"}]}\n\n'
+    'data:{"choices": [], "usage": {"completion_tokens": 3}}\n\n'
     "data:[DONE]\n\n",
     "null-event": "data: null\n\ndata: [DONE]\n\n",
-    "no-usage": 'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n',
+    "no-usage": 'data: {"choices": [{"text": "a"}]}\n\n'
+    'data: {"choices": [{"text": "b"}]}\n\n'
+    "data: [DONE]\n\n",
 }
 
 
