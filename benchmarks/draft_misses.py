@@ -165,9 +165,7 @@ def main(argv=None) -> None:
             prompt_lookup=args.prompt_lookup,
         )
     )
-    sets = {
-        name.removeprefix("eagle_"): texts for name, texts in load_sets(0).items()
-    }
+    sets = {name.removeprefix("eagle_"): texts for name, texts in load_sets(0).items()}
     order = training_order(args.data_root)
     sets["train_seen"], sets["train_unseen"] = first_and_last(order, args.num_prompts, (0, 1500))
     # long inputs (~500-1500 tokens), like the sum set's articles; 3% of the training prompts
@@ -183,7 +181,8 @@ def main(argv=None) -> None:
         )
     kinds = ("not_in_draft_vocab", "copyable", "other")
     print(
-        f"{'set':17} {'acc len':>7} {'draft 1 hit':>11} {'misses':>7} {'not in vocab':>12} {'copyable':>9} "
+        f"{'set':17} {'acc len':>7} {'draft 1 hit':>11} {'misses':>7} {'not in vocab':>12} "
+        f"{'copyable':>9} "
         f"{'other':>6}  accuracy by depth"
     )
     for name, c in results.items():
@@ -191,8 +190,10 @@ def main(argv=None) -> None:
         share = {k: c.get(f"miss_{k}", 0) / max(total, 1) for k in kinds}
         print(
             f"{name:17} {c['verify_emitted'] / max(c['verify_steps'], 1):>7.2f} "
-            f"{c['first_draft_hit'] / max(c['steps'], 1):>11.2f} {total:>7} {share['not_in_draft_vocab']:>12.1%} "
-            f"{share['copyable']:>9.1%} {share['other']:>6.1%}  {' '.join(f'{a:.2f}' for a in c['accuracy_by_depth'])}"
+            f"{c['first_draft_hit'] / max(c['steps'], 1):>11.2f} {total:>7} "
+            f"{share['not_in_draft_vocab']:>12.1%} "
+            f"{share['copyable']:>9.1%} {share['other']:>6.1%}  "
+            f"{' '.join(f'{a:.2f}' for a in c['accuracy_by_depth'])}"
         )
     if args.output:
         args.output.write_text(
