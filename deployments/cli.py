@@ -259,9 +259,11 @@ def _local_cpus(tp: int) -> int:
 def _local_ray_env() -> None:
     """A Ray started here listens on loopback only (Ray binds every interface unless told that
     this host runs no cluster), with Ray's token authentication. Call before importing ray."""
+    if "ray" in sys.modules:  # too late: Ray read these at import, and half a change breaks auth
+        logging.getLogger(__name__).warning("ray was imported first: local Ray keeps its defaults")
+        return
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "token")
-    assert "ray" not in sys.modules, "ray read its settings already"
 
 
 def _check_port_free(host: str, port: int) -> None:
