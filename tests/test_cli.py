@@ -293,3 +293,20 @@ def test_version_and_help_tell_defaults():
             if entry.startswith(("-h", "--version")):
                 continue
             assert "default:" in " ".join(entry.split()), (command, entry)
+
+
+def test_serve_flags_override_the_config_file(tmp_path):
+    """serve's flags reach ServeConfig; a flag left unset keeps the --config file's value."""
+    from deployments.cli import _serve_config
+    from deployments.cli_args import build_parser
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("max_waiting_requests: 5\nport: 9001\nengine: {max_batch_size: 3}\n")
+    parse = build_parser("eagleserve").parse_args
+    cfg = _serve_config(parse(["serve", "--config", str(config)]))
+    assert (cfg.max_waiting_requests, cfg.port, cfg.engine.max_batch_size) == (5, 9001, 3)
+    assert cfg.api_key is None and cfg.model_name == "smollm2-135m"
+    args = ["--api-key", "k1", "--served-model-name", "mine", "--max-waiting-requests", "7"]
+    cfg = _serve_config(parse(["serve", "--config", str(config), *args, "--max-batch-size", "4"]))
+    assert (cfg.api_key, cfg.model_name, cfg.max_waiting_requests) == ("k1", "mine", 7)
+    assert (cfg.port, cfg.engine.max_batch_size) == (9001, 4)
