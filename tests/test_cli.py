@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,13 +17,13 @@ from conftest import bench_questions
 ENV = os.environ | {"OMP_NUM_THREADS": os.environ.get("EAGLESERVE_TEST_THREADS", "1")}
 
 
-def eagleserve(*args, timeout=600) -> subprocess.CompletedProcess:
+def eagleserve(*args, timeout=600, env=ENV) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "deployments.cli", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=ENV,
+        env=env,
     )
 
 
@@ -217,49 +218,33 @@ def test_gpu_utilization_is_the_busiest_gpus_mean(monkeypatch):
     assert utilization.busy_fraction is None
 
 
-def _socket_dirs() -> set[str]:
-    """This code's ipc socket directories (eagleserve-<pid>-*) in the temp dir."""
-    tmp = tempfile.gettempdir()
-    return {n for n in os.listdir(tmp) if re.fullmatch(r"eagleserve-\d+-\w+", n)}
-
-
 def test_engine_leaves_no_socket_files(tmp_path, prompts_file):
     """Two TP=2 engine runs on one node (ipc channels) leave no socket directory behind, and the
-    first removes one that a crashed earlier run (a pid no longer alive) left."""
+    first removes one that a crashed earlier run (a pid no longer alive) left. The runs get a
+    temp dir of their own (short: Ray keeps its sockets there too), so other jobs do not count."""
     from tiny_models import tiny_llama
 
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], text=True, capture_output=True
-    ).stdout.strip()
-    stale = Path(tempfile.gettempdir()) / f"eagleserve-{dead}-crashed"
-    (stale / "plan-0").parent.mkdir()
-    (stale / "plan-0").write_text("")
-    before = _socket_dirs() - {stale.name}
-    model = tiny_llama(tmp_path / "tiny", layers=2)
-    for run in range(2):
-        out = tmp_path / f"out{run}.jsonl"
-        proc = eagleserve(
-            "generate",
-            prompts_file,
-            "-o",
-            out,
-            "--model",
-            model,
-            "--drafter",
-            "none",
-            "--tp",
-            2,
-            "--device",
-            "cpu",
-            "--max-tokens",
-            4,
-            "--max-model-len",
-            512,
-        )
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert len(out.read_text().splitlines()) == 4
-        assert not stale.exists()
-        assert _socket_dirs() <= before  # concurrent runs of other checkouts may add theirs
+    tmp = Path(tempfile.mkdtemp(prefix="es-"))
+    try:
+        dead = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], text=True, capture_output=True
+        ).stdout.strip()
+        stale = tmp / f"eagleserve-{dead}-crashed"
+        stale.mkdir()
+        (stale / "plan-0").write_text("")
+        model = tiny_llama(tmp_path / "tiny", layers=2)
+        flags = ["--model", model, "--drafter", "none", "--tp", 2, "--device", "cpu"]
+        for run in range(2):
+            out = tmp_path / f"out{run}.jsonl"
+            proc = eagleserve(
+                "generate", prompts_file, "-o", out, *flags, "--max-tokens", 4,
+                "--max-model-len", 512, env=ENV | {"TMPDIR": str(tmp)},
+            )  # fmt: skip
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            assert len(out.read_text().splitlines()) == 4
+            assert not [n for n in os.listdir(tmp) if n.startswith("eagleserve-")]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_port_in_use_is_one_line(tmp_path):
