@@ -14,25 +14,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from deployments.bench import EAGLE_SETS, eagle_set, load_prompts  # noqa: E402
 from speculative.config import EngineConfig, SamplingParams  # noqa: E402
 from speculative.engine import LLMEngine, encode_prompt  # noqa: E402
 
-EAGLE_SETS = ("gsm8k", "alpaca", "sum", "qa")
 
-
-def load_sets(data_root: Path, num_gsm8k_test: int, names=EAGLE_SETS) -> dict[str, list[str]]:
-    sets = {}
-    for name in names:
-        rows = [
-            json.loads(line)
-            for line in (data_root / "eagle_bench" / name / "question.jsonl").open()
-        ]
-        sets[f"eagle_{name}"] = [row["turns"][0] for row in rows]
+def load_sets(num_gsm8k_test: int, names=EAGLE_SETS) -> dict[str, list[str]]:
+    """The shipped EAGLE sets (every question) and the first GSM8K test questions, by name."""
+    sets = {f"eagle_{name}": load_prompts(str(eagle_set(name)), 0) for name in names}
     if num_gsm8k_test:
-        rows = [
-            json.loads(line) for line in (data_root / "gsm8k" / "test.jsonl").open() if line.strip()
-        ]
-        sets["gsm8k_test"] = [row["question"] for row in rows[:num_gsm8k_test]]
+        sets["gsm8k_test"] = load_prompts(None, num_gsm8k_test)
     return sets
 
 
@@ -72,9 +63,6 @@ def main(argv=None) -> None:
         "--sets", nargs="+", default=list(EAGLE_SETS), choices=EAGLE_SETS, help="EAGLE sets to run"
     )
     p.add_argument("--num-gsm8k-test", type=int, default=200, help="GSM8K test questions (0: none)")
-    p.add_argument(
-        "--data-root", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data"
-    )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument(
         "--prompt-lookup", type=float, default=0.0, help="EngineConfig.prompt_lookup (0: off)"
@@ -88,7 +76,7 @@ def main(argv=None) -> None:
     )
     p.add_argument("--output", type=Path, help="results JSON")
     args = p.parse_args(argv)
-    sets = load_sets(args.data_root, args.num_gsm8k_test, args.sets)
+    sets = load_sets(args.num_gsm8k_test, args.sets)
     results = []
     for k, siblings in itertools.product(args.k, args.siblings):
         # the runner pads a prefill batch to its longest prompt, so budget for the padded size

@@ -81,8 +81,10 @@ def main():
     for r in rows:
         back = f"{r['result_back_ms']:.3f}ms" if r["result_back_ms"] is not None else "-"
         print(
-            f"{r['tp']:>2} {r['drafter']:8} {str(r['overlap']):>7} {r['plan_out_ms']:>7.3f}ms {back:>11} "
-            f"{r['step_ms']:>6.1f}ms {r['worker_execute_ms']:>6.1f}ms {r['coordinator_wait_fraction']:>9.1%} "
+            f"{r['tp']:>2} {r['drafter']:8} {str(r['overlap']):>7} {r['plan_out_ms']:>7.3f}ms "
+            f"{back:>11} "
+            f"{r['step_ms']:>6.1f}ms {r['worker_execute_ms']:>6.1f}ms "
+            f"{r['coordinator_wait_fraction']:>9.1%} "
             f"{r['output_tokens_per_s']:>6.1f}"
         )
     with open(args.output, "w") as f:

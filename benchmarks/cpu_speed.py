@@ -3,7 +3,8 @@
 Every configuration runs in its own subprocess, so each reports its own peak RSS. GSM8K test
 questions with the chat template, greedy, fp32. Writes benchmarks/cpu_speed.json.
 
-    python benchmarks/cpu_speed.py [--max-tokens 64] [--threads 1] [--k 3] [--conversion] [--also-drafter DIR]
+    python benchmarks/cpu_speed.py [--max-tokens 64] [--threads 1] [--k 3] [--conversion] \
+        [--also-drafter DIR]
 """
 
 import argparse
@@ -18,9 +19,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-GSM8K = HERE.parents[1] / "shared" / "data" / "gsm8k" / "test.jsonl"
-if not GSM8K.is_file():
-    GSM8K = Path("/work/shared/data/gsm8k/test.jsonl")
 
 
 def peak_rss_mib() -> float:
@@ -45,6 +43,7 @@ def run_config(spec: dict) -> dict:
     capture = LogCapture()
     logging.getLogger().addHandler(capture)
     logging.getLogger().setLevel(logging.INFO)
+    from deployments.bench import load_prompts
     from speculative.config import EngineConfig, SamplingParams
     from speculative.engine import LLMEngine, encode_prompt
 
@@ -60,10 +59,7 @@ def run_config(spec: dict) -> dict:
         )
     )
     load_s = time.perf_counter() - start
-    questions = [
-        json.loads(line)["question"]
-        for line in GSM8K.read_text().splitlines()[: spec["num_prompts"]]
-    ]
+    questions = load_prompts(None, spec["num_prompts"])  # GSM8K test
     prompts = [encode_prompt(engine.tokenizer, q) for q in questions]
     params = SamplingParams(max_tokens=spec["max_tokens"])
     engine.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
@@ -98,7 +94,8 @@ def run_config(spec: dict) -> dict:
 
 
 def measure_conversion(threads: int) -> dict:
-    """GGUF -> safetensors conversion on a fresh cache, then the cached load, each timed in the child."""
+    """GGUF -> safetensors conversion on a fresh cache, then the cached load, each timed in the
+    child."""
     import torch
 
     torch.set_num_threads(threads)
@@ -168,7 +165,8 @@ def main() -> None:
     drafter_note = (
         "trained drafter speculative/drafters/smollm2-135m"
         if trained
-        else "random-weight default drafter (no trained drafter in speculative/drafters/smollm2-135m): "
+        else "random-weight default drafter "
+        "(no trained drafter in speculative/drafters/smollm2-135m): "
         "acceptance ~1.0 token/step, so speculation only adds work and is expected to be slower"
     )
     also = (
@@ -214,16 +212,19 @@ def main() -> None:
     args.output.write_text(json.dumps(report, indent=2) + "\n")
 
     print(
-        f"\nSmolLM2-135M on CPU ({args.threads} thread(s)), {args.max_tokens} new tokens, K={args.k}"
+        f"\nSmolLM2-135M on CPU ({args.threads} thread(s)), {args.max_tokens} new tokens, "
+        f"K={args.k}"
     )
     print(f"drafter: {drafter_note}\n")
     print(
-        f"{'config':<13} {'batch':>5} {'tok/s':>8} {'vs plain':>8} {'accept len':>10} {'peak RSS MiB':>12} "
+        f"{'config':<13} {'batch':>5} {'tok/s':>8} {'vs plain':>8} {'accept len':>10} "
+        f"{'peak RSS MiB':>12} "
         f"{'load s':>7} {'same tokens':>11}"
     )
     for r in results:
         print(
-            f"{r['name']:<13} {r['batch']:>5} {r['tokens_per_s']:>8.2f} {r.get('speedup_vs_plain', 1.0):>8.2f} "
+            f"{r['name']:<13} {r['batch']:>5} {r['tokens_per_s']:>8.2f} "
+            f"{r.get('speedup_vs_plain', 1.0):>8.2f} "
             f"{r['acceptance_length']:>10.2f} {r['peak_rss_mib']:>12.0f} {r['load_s']:>7.1f} "
             f"{str(r.get('identical_to_plain', '-')):>11}"
         )

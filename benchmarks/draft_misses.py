@@ -37,8 +37,6 @@ from speculative.train.config import DistillConfig, TrainConfig  # noqa: E402
 from speculative.train.data import prompt_order, read_prompts  # noqa: E402
 from speculative.train.trainer import train_step  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
 
 def training_order(data_root: Path) -> list[str]:
     """The training prompts in the default distillation order."""
@@ -148,7 +146,12 @@ def main(argv=None) -> None:
     p.add_argument(
         "--prompt-lookup", type=float, default=0.0, help="EngineConfig.prompt_lookup (0: off)"
     )
-    p.add_argument("--data-root", type=Path, default=DATA)
+    p.add_argument(
+        "--data-root",
+        type=Path,
+        required=True,
+        help="folder with train_prompts/ and gsm8k/train.jsonl.gz (not shipped: training data)",
+    )
     p.add_argument("-o", "--output", type=Path)
     args = p.parse_args(argv)
     engine = LLMEngine(
@@ -162,9 +165,7 @@ def main(argv=None) -> None:
             prompt_lookup=args.prompt_lookup,
         )
     )
-    sets = {
-        name.removeprefix("eagle_"): texts for name, texts in load_sets(args.data_root, 0).items()
-    }
+    sets = {name.removeprefix("eagle_"): texts for name, texts in load_sets(0).items()}
     order = training_order(args.data_root)
     sets["train_seen"], sets["train_unseen"] = first_and_last(order, args.num_prompts, (0, 1500))
     # long inputs (~500-1500 tokens), like the sum set's articles; 3% of the training prompts
@@ -180,7 +181,8 @@ def main(argv=None) -> None:
         )
     kinds = ("not_in_draft_vocab", "copyable", "other")
     print(
-        f"{'set':17} {'acc len':>7} {'draft 1 hit':>11} {'misses':>7} {'not in vocab':>12} {'copyable':>9} "
+        f"{'set':17} {'acc len':>7} {'draft 1 hit':>11} {'misses':>7} {'not in vocab':>12} "
+        f"{'copyable':>9} "
         f"{'other':>6}  accuracy by depth"
     )
     for name, c in results.items():
@@ -188,8 +190,10 @@ def main(argv=None) -> None:
         share = {k: c.get(f"miss_{k}", 0) / max(total, 1) for k in kinds}
         print(
             f"{name:17} {c['verify_emitted'] / max(c['verify_steps'], 1):>7.2f} "
-            f"{c['first_draft_hit'] / max(c['steps'], 1):>11.2f} {total:>7} {share['not_in_draft_vocab']:>12.1%} "
-            f"{share['copyable']:>9.1%} {share['other']:>6.1%}  {' '.join(f'{a:.2f}' for a in c['accuracy_by_depth'])}"
+            f"{c['first_draft_hit'] / max(c['steps'], 1):>11.2f} {total:>7} "
+            f"{share['not_in_draft_vocab']:>12.1%} "
+            f"{share['copyable']:>9.1%} {share['other']:>6.1%}  "
+            f"{' '.join(f'{a:.2f}' for a in c['accuracy_by_depth'])}"
         )
     if args.output:
         args.output.write_text(

@@ -67,7 +67,8 @@ def main():
     print(f"{'HF generate':24} {'batch':>5} {'tok/s':>8}")
     for r in runs:
         print(
-            f"{'prompt lookup' if r['prompt_lookup'] else 'plain':24} {r['batch']:>5} {r['output_tokens_per_s']:>8.1f}"
+            f"{'prompt lookup' if r['prompt_lookup'] else 'plain':24} {r['batch']:>5} "
+            f"{r['output_tokens_per_s']:>8.1f}"
         )
     with open(args.output, "w") as f:
         json.dump(runs, f, indent=1)

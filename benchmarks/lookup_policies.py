@@ -7,8 +7,8 @@ Rules (`name:params`):
   p:P:N           the engine's rule (N=5): the looked-up token (match of N tokens) where the
                   drafter's own draft has probability below P
   boost:A:N       the looked-up token where the drafter gives it at least 1/A of its own draft's
-                  probability (A=1: only where it is the drafter's own draft too; a token outside the
-                  draft vocabulary has probability 0 and is never taken)
+                  probability (A=1: only where it is the drafter's own draft too; a token outside
+                  the draft vocabulary has probability 0 and is never taken)
   longest:P       like p:P, but the longest match of 4, 3 or 2 tokens
   recent:P:N:W    like p:P:N, but only while the request is copying: where the lookup would have
                   predicted at least one of the W tokens before this one
@@ -34,7 +34,8 @@ from speculative.prompt_lookup import lookup  # noqa: E402
 
 
 def make_rule(runner, spec: str):
-    """The `_propose(h, slots, q, depth)` of a rule spec (see the module docstring); no draft tree."""
+    """The `_propose(h, slots, q, depth)` of a rule spec (see the module docstring); no draft
+    tree."""
     name, *params = spec.split(":")
     drafter = runner.drafter
     # target id -> draft id (draft ids keep the target's order); -1 outside the draft vocabulary
@@ -92,9 +93,6 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--max-batch-size", type=int, default=80)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument(
-        "--data-root", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data"
-    )
     p.add_argument("-o", "--output", type=Path)
     args = p.parse_args(argv)
     # prompt_lookup > 0 so that the runner keeps the token history; the rules decide the rest. No
@@ -116,7 +114,7 @@ def main(argv=None) -> None:
     runner = engine.executor
     sets = {
         name: [encode_prompt(engine.tokenizer, t) for t in texts[: args.num_prompts]]
-        for name, texts in load_sets(args.data_root, 0, args.sets).items()
+        for name, texts in load_sets(0, args.sets).items()
     }
     results = []
     for rule in args.rules:
@@ -127,7 +125,8 @@ def main(argv=None) -> None:
             print(json.dumps(row), file=sys.stderr, flush=True)
     names = list(sets)
     print(
-        f"acceptance length, K={args.k} greedy, {args.num_prompts} prompts a set, {args.max_tokens} tokens"
+        f"acceptance length, K={args.k} greedy, {args.num_prompts} prompts a set, "
+        f"{args.max_tokens} tokens"
     )
     print("| rule | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
     for rule in args.rules:

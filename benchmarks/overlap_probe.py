@@ -1,7 +1,8 @@
 """Why EAGLE-3 with overlap is slower than without at batch 8 (issue 6): the same load with overlap
 on and off, (1) in one process (LLMEngine over a local ModelRunner: no Ray, no threads) and
 (2) on the Ray path, with rank 0 under torch.profiler (EAGLESERVE_TORCH_PROFILER_DIR). Prints
-tokens/s and host launch time per step; writes JSON with the host-op tables, and the Ray workers' chrome traces."""
+tokens/s and host launch time per step; writes JSON with the host-op tables, and the Ray workers'
+chrome traces."""
 
 import argparse
 import json

@@ -124,13 +124,16 @@ def main():
                 for kind in ("prefill", "decode"):
                     r = row[kind]
                     print(
-                        f"{row['mode']:5} M={siblings} graphs={str(graphs):5} b={batch:<3} {kind:7} wall {r['wall_ms_per_step']:7.2f} ms"
-                        f"  kernels {r['kernel_ms_per_step']:7.2f} ms  {r['kernels_per_step']:6.0f} kernels/step"
+                        f"{row['mode']:5} M={siblings} graphs={str(graphs):5} b={batch:<3} "
+                        f"{kind:7} wall {r['wall_ms_per_step']:7.2f} ms"
+                        f"  kernels {r['kernel_ms_per_step']:7.2f} ms  "
+                        f"{r['kernels_per_step']:6.0f} kernels/step"
                         f"  {r['host_ops_per_step']:6.0f} host ops/step"
                     )
                 for kernel in decode["top_kernels"][: args.top]:
                     print(
-                        f"    {kernel['ms_per_step']:6.3f} ms {kernel['per_step']:5.0f}x {kernel['name'][:70]}"
+                        f"    {kernel['ms_per_step']:6.3f} ms {kernel['per_step']:5.0f}x "
+                        f"{kernel['name'][:70]}"
                     )
             del engine
             if torch.cuda.is_available():

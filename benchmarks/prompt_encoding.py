@@ -27,8 +27,8 @@ def main() -> None:
     ap.add_argument(
         "--data-root",
         type=Path,
-        default=ROOT.parent / "shared" / "data",
-        help="where the config's .device/data/ prompt files are",
+        required=True,
+        help="where the config's .device/data/ prompt files are (training data, not shipped)",
     )
     ap.add_argument("--skip", type=int, default=70763)
     ap.add_argument(
@@ -78,10 +78,12 @@ def main() -> None:
         "first_prompt_after_skip_s": first_s,
     }
     print(
-        f"{'prompts':>8} {'one at a time':>14} {'batched':>8} {'speed-up':>8} {'differ':>6} {'first after skip':>16}"
+        f"{'prompts':>8} {'one at a time':>14} {'batched':>8} {'speed-up':>8} {'differ':>6} "
+        f"{'first after skip':>16}"
     )
     print(
-        f"{len(texts):>8} {one_s:>13.1f}s {batched_s:>7.1f}s {one_s / batched_s:>7.2f}x {differ:>6} {first_s:>15.1f}s"
+        f"{len(texts):>8} {one_s:>13.1f}s {batched_s:>7.1f}s {one_s / batched_s:>7.2f}x "
+        f"{differ:>6} {first_s:>15.1f}s"
     )
     args.output.write_text(json.dumps(result, indent=1))
     print(f"results: {args.output}")

@@ -1,5 +1,5 @@
-"""Attention inside CUDA graphs on the GPU: cuDNN SDPA with GQA (enable_gqa, queries strided from the
-QKV projection, one [B, 1, T, S] mask for all heads) against folding each KV group's query heads
+"""Attention inside CUDA graphs on the GPU: cuDNN SDPA with GQA (enable_gqa, queries strided from
+the QKV projection, one [B, 1, T, S] mask for all heads) against folding each KV group's query heads
 into the query length (copies of q, the mask and the output). Per (heads, B, T, S): microseconds per
 call, replayed 100 times in one graph. Prints a table, writes JSON.
 
@@ -88,7 +88,8 @@ def main():
             rows.append(case(H, KV, D, B, T, S))
             r = rows[-1]
             print(
-                f"H{H:<3}KV{KV:<2}B{B:<4}T{T:<5}S{S:<5} gqa {r['gqa_us']:7.2f} us  fold {r['fold_us']:7.2f} us  "
+                f"H{H:<3}KV{KV:<2}B{B:<4}T{T:<5}S{S:<5} gqa {r['gqa_us']:7.2f} us  fold "
+                f"{r['fold_us']:7.2f} us  "
                 f"{r['fold_us'] / r['gqa_us']:5.2f}x  diff {r['max_diff']:.3g}",
                 flush=True,
             )

@@ -106,16 +106,17 @@ def main():
         slots = torch.arange(B, device="cuda")
         plan = StepPlan(step_id=1, decode_slots=used, kv_len=256)
 
-        def rewind():  # keep every timed step's positions inside the 256-row context
+        def rewind(B=B):  # keep every timed step's positions inside the 256-row context
             runner.state.num_computed[:B] = args.prompt_len
 
         rewind()
-        verify = timed(lambda: runner.graphs.verify(slots, kv_len=256))
+        verify = timed(lambda slots=slots: runner.graphs.verify(slots, kv_len=256))
         rewind()
-        step = timed(lambda: runner.execute(plan).result(), repeats=10)
+        step = timed(lambda plan=plan: runner.execute(plan).result(), repeats=10)
         rewind()
+        positions = slots + args.prompt_len
         chain = (
-            timed(lambda: runner.graphs.chain(slots, slots, slots + args.prompt_len, kv_len=256))
+            timed(lambda s=slots, p=positions: runner.graphs.chain(s, s, p, kv_len=256))
             if runner.graphs.chain
             else 0.0
         )
@@ -131,15 +132,18 @@ def main():
             }
         )
     print(
-        f"{args.model}: weights {weight_bytes / 2**30:.2f} GiB, bandwidth {bw / 1e12:.2f} TB/s, floor {floor_ms:.2f} ms"
+        f"{args.model}: weights {weight_bytes / 2**30:.2f} GiB, bandwidth {bw / 1e12:.2f} TB/s, "
+        f"floor {floor_ms:.2f} ms"
     )
     print(
-        f"{'batch':>5} {'verify':>8} {'draft 2..K':>10} {'rest':>8} {'step':>8} {'floor':>7} {'x floor':>7}"
+        f"{'batch':>5} {'verify':>8} {'draft 2..K':>10} {'rest':>8} {'step':>8} {'floor':>7} "
+        f"{'x floor':>7}"
     )
     for r in rows:
         print(
             f"{r['batch']:>5} {r['verify_ms']:>7.2f}m {r['draft_steps_2_to_k_ms']:>9.2f}m "
-            f"{r['first_draft_and_rest_ms']:>7.2f}m {r['full_step_ms']:>7.2f}m {floor_ms:>6.2f}m {r['step_over_floor']:>6.2f}x"
+            f"{r['first_draft_and_rest_ms']:>7.2f}m {r['full_step_ms']:>7.2f}m {floor_ms:>6.2f}m "
+            f"{r['step_over_floor']:>6.2f}x"
         )
     out = {
         "model": args.model,

@@ -104,15 +104,18 @@ def print_row(r: dict) -> None:
         return "-" if x is None else f"{x:6.2f}"
 
     print(
-        f"{r['mode']:5} b={r['batch']:<3} overlap={str(r['overlap']):5} {r['tokens_per_s']:8.1f} tok/s  "
-        f"ttft {r['ttft_p50_ms']:6.1f} ms  steps/s {r['steps_per_s']:7.1f}  gap {f(r['coordinator_gap_ms'])}  "
+        f"{r['mode']:5} b={r['batch']:<3} overlap={str(r['overlap']):5} {r['tokens_per_s']:8.1f} "
+        "tok/s  "
+        f"ttft {r['ttft_p50_ms']:6.1f} ms  steps/s {r['steps_per_s']:7.1f}  gap "
+        f"{f(r['coordinator_gap_ms'])}  "
         f"idle {f(r['worker_idle_ms'])}"
     )
     for kind in ("prefill", "decode"):
         k = r[kind]
         if k["num"]:
             print(
-                f"    {kind:7} n={k['num']:<4} to-worker {f(k['plan_to_worker_ms'])} launch {f(k['launch_ms'])} "
+                f"    {kind:7} n={k['num']:<4} to-worker {f(k['plan_to_worker_ms'])} launch "
+                f"{f(k['launch_ms'])} "
                 f"launch->ready {f(k['launch_to_ready_ms'])} device {f(k['device_ms'])} "
                 f"ready->coord {f(k['ready_to_coordinator_ms'])}"
             )

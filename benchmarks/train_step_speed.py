@@ -5,7 +5,8 @@ row of the batch, as training ran up to session 6, and over only the rows that c
 (target recompute, TTT forward, loss) plus backward and the optimizer. Batches are GSM8K training
 questions (chat template) with their reference answers as responses, or distilled parts with --data.
 
-    python benchmarks/train_step_speed.py --device cpu --data DIR --batch-tokens 2048 --steps 6 -o FILE
+    python benchmarks/train_step_speed.py --device cpu --data DIR --batch-tokens 2048 --steps 6 \
+        -o FILE
     python benchmarks/train_step_speed.py --device cuda --data /tmp/eagle/data -o FILE  # the H200
 """
 
@@ -30,8 +31,6 @@ from speculative.train.trainer import load_target, train_step  # noqa: E402
 from speculative.train.ttt import loss_rows  # noqa: E402
 from workers.device import pick_device, pick_dtype  # noqa: E402
 from workers.loader import resolve_model
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def gsm8k_store(model: str, path: Path) -> TokenStore:
@@ -106,14 +105,20 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--drafter", default="speculative/drafters/smollm2-135m")
     p.add_argument(
-        "--data", type=Path, help="distilled parts (default: GSM8K train with its answers)"
+        "--data", type=Path, help="distilled parts (or --data-root: GSM8K train with its answers)"
     )
-    p.add_argument("--data-root", type=Path, default=DATA)
+    p.add_argument(
+        "--data-root",
+        type=Path,
+        help="folder with gsm8k/train.jsonl.gz (not shipped: training data)",
+    )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--batch-tokens", type=int, help="default: the config's")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("-o", "--output", type=Path)
     args = p.parse_args()
+    if not args.data and not args.data_root:
+        p.error("give --data or --data-root")
     device = pick_device(args.device)
     dtype = pick_dtype("auto", device)
     cfg = TrainConfig(**json.loads(args.config.read_text()))
@@ -128,7 +133,8 @@ def main() -> None:
         for b in batches(store, cfg.batch_tokens, cfg.max_seq_len, seed=0, epoch=0)[: args.steps]
     ]
     target = load_target(args.model, device, dtype)
-    # .to(device) only, as the trainer does: a dtype would also cast the embeddings it shares with the target
+    # .to(device) only, as the trainer does: a dtype would also cast the embeddings it shares with
+    # the target
     drafter = load_drafter(Path(args.drafter), target_embeddings=target.embed_tokens).to(device)
     for n, param in drafter.named_parameters():
         param.requires_grad_(not n.startswith("embed_tokens"))
@@ -152,12 +158,14 @@ def main() -> None:
     print(
         f"{'rows':20} {'steps/s':>8} {'vs before':>9} {'peak GB':>8} {'loss, batch 1':>13}   "
         f"({device.type}, {dtype}, "
-        f"{cfg.batch_tokens} tokens a batch, vocab {drafter.cfg.draft_vocab_size}, TTT {cfg.ttt_steps}, "
+        f"{cfg.batch_tokens} tokens a batch, vocab {drafter.cfg.draft_vocab_size}, TTT "
+        f"{cfg.ttt_steps}, "
         f"the loss reads {rows_share:.0%} of the rows)"
     )
     for name, r in results.items():
         print(
-            f"{name:20} {r['steps_per_s']:>8.3f} {r['steps_per_s'] / base:>8.2f}x {str(r['peak_gb']):>8} "
+            f"{name:20} {r['steps_per_s']:>8.3f} {r['steps_per_s'] / base:>8.2f}x "
+            f"{str(r['peak_gb']):>8} "
             f"{r['first_batch_loss']:>13.5f}"
         )
     if args.output:

@@ -2,7 +2,7 @@
 # The draft tree on the H200 (session 13). PARTS picks (default all), each in its own device call:
 #   checks      tests/test_gpu.py (graphs equal eager with the tree, no host sync)
 #   acceptance  acceptance length, K=3 and 5, greedy and T=0.7, siblings 0 (the chain), 1 and 2,
-#               on every set (needs .device/data carried)
+#               on every set (the sets ship in deployments/data)
 #   speed       bench: plain, EAGLE-3 K=3 and K=5 with siblings 0 and 1, batch 1, 8, 32, graphs, overlap
 #   eagerverify bench: EAGLE-3 K=5 greedy, sampled (T=0.8) and with logprobs, batch 1 and 8: what steps
 #               that verify eagerly after the graphed target pass cost (not run yet; session 13 measured
@@ -15,7 +15,7 @@ if [[ "$PARTS" == *" checks "* ]]; then
 fi
 if [[ "$PARTS" == *" acceptance "* ]]; then
     timeout 500 python3 benchmarks/acceptance.py --model $M --drafter $D --k 3 5 --temperatures 0 0.7 \
-        --siblings 0 1 2 --max-batch-size 128 --data-root .device/data --device cuda \
+        --siblings 0 1 2 --max-batch-size 128 --device cuda \
         --output $OUT/acceptance_tree.json 2>&1 | grep -v '^{' | quiet 16
 fi
 if [[ "$PARTS" == *" speed "* ]]; then

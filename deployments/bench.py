@@ -15,12 +15,20 @@ from tqdm import tqdm
 from speculative.config import EngineConfig, SamplingParams
 from speculative.jsonl import read_rows
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parent / "data"  # shipped prompts: data/PROVENANCE.md
+GSM8K_TEST = DATA / "gsm8k" / "test.jsonl.gz"
+EAGLE_SETS = ("gsm8k", "alpaca", "sum", "qa")
+
+
+def eagle_set(name: str) -> Path:
+    """One of the EAGLE benchmark question sets (EAGLE_SETS), MT-Bench rows."""
+    return DATA / "eagle_bench" / f"{name}.jsonl.gz"
 
 
 def load_prompts(path: str | None, num: int) -> list[str]:
-    """GSM8K test questions by default; else any JSONL with prompt, question or turns[0]."""
-    path = Path(path) if path else DATA / "gsm8k" / "test.jsonl"
+    """The first `num` prompts (0: all) of the shipped GSM8K test questions by default, else of any
+    JSONL(.gz) whose rows hold prompt, question or turns[0]."""
+    path = Path(path) if path else GSM8K_TEST
     if not path.is_file():
         raise FileNotFoundError(f"dataset {path} not found")
     prompts = []
@@ -169,7 +177,7 @@ def run_load(
         "ttft_ms": _percentiles([first_at[r] - sent_at[r] for r in first_at]),
         "itl_ms": _percentiles(itl),
         # CUDA events from each step's first kernel to its results copy: gaps inside a step count
-        # as busy, so with overlap this reads ~100% whatever the GPU does (nvml_busy_fraction does not)
+        # as busy, so with overlap this reads ~100% whatever the GPU does (NVML's figure does not)
         "gpu_busy_fraction": (after["device_s"] - device_before) / wall
         if after["device_s"]
         else None,
@@ -278,26 +286,29 @@ def bench(
     return runs
 
 
-def print_table(runs: list[dict]) -> None:
-    head = (
-        f"{'mode':6} {'K':>2} {'M':>2} {'graphs':>6} {'ovl':>4} {'batch':>5} {'tok/s':>9} {'req/s':>7} {'acc len':>7} "
-        f"{'ttft p50':>9} {'itl p50':>8} {'gpu busy':>8} {'nvml':>5} {'extra':>6}"
-    )
-    print(head)
+TABLE = {  # column: width
+    "mode": 6, "K": 2, "M": 2, "graphs": 6, "ovl": 4, "batch": 5, "tok/s": 9, "req/s": 7,
+    "acc len": 7, "ttft p50": 9, "itl p50": 8, "gpu busy": 8, "nvml": 5, "extra": 6,
+}  # fmt: skip
 
+
+def print_table(runs: list[dict]) -> None:
     def percent(x):
         return f"{x:.0%}" if x is not None else "-"
 
     def ms(x, digits):
         return f"{x:.{digits}f}m" if x is not None else "-"
 
+    print(" ".join(f"{name:>{width}}" for name, width in TABLE.items()))
     for r in runs:
-        print(
-            f"{r['mode']:6} {r['k']:>2} {r.get('siblings', 0):>2} {str(r['cuda_graphs']):>6} {str(r['overlap']):>4} {r['batch']:>5} "
-            f"{r['output_tokens_per_s']:>9.1f} {r['requests_per_s']:>7.2f} {r['mean_acceptance_length']:>7.2f} "
-            f"{ms(r['ttft_ms']['p50'], 1):>9} {ms(r['itl_ms']['p50'], 2):>8} {percent(r['gpu_busy_fraction']):>8} "
-            f"{percent(r['nvml_busy_fraction']):>5} {r['extra_pass_share']:>6.1%}"
-        )
+        cells = [
+            r["mode"], r["k"], r.get("siblings", 0), str(r["cuda_graphs"]), str(r["overlap"]),
+            r["batch"], f"{r['output_tokens_per_s']:.1f}", f"{r['requests_per_s']:.2f}",
+            f"{r['mean_acceptance_length']:.2f}", ms(r["ttft_ms"]["p50"], 1),
+            ms(r["itl_ms"]["p50"], 2), percent(r["gpu_busy_fraction"]),
+            percent(r["nvml_busy_fraction"]), f"{r['extra_pass_share']:.1%}",
+        ]  # fmt: skip
+        print(" ".join(f"{cell:>{width}}" for cell, width in zip(cells, TABLE.values())))
 
 
 def plot(runs: list[dict], path: Path) -> bool:

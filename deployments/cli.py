@@ -1,65 +1,16 @@
-"""`eagleserve`: generate offline, serve over HTTP, train drafters, benchmark, load-test a server."""
+"""`eagleserve`: generate offline, serve over HTTP, train drafters, benchmark, load-test a server
+(one function per subcommand; their parsers are in cli_args.py)."""
 
-import argparse
 import json
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
 from pydantic import ValidationError
 
-ENGINE_FLAGS = (
-    "model",
-    "drafter",
-    "num_draft_tokens",
-    "max_batch_size",
-    "max_model_len",
-    "device",
-    "dtype",
-    "tp",
-    "prompt_lookup",
-    "draft_siblings",
-)
-
-
-def _engine_args(p: argparse.ArgumentParser, with_defaults: bool = True) -> None:
-    """Engine flags; without defaults (serve), unset flags leave the config file's values alone."""
-    d = (lambda v: v) if with_defaults else (lambda v: None)  # noqa: E731
-    p.add_argument(
-        "--model", default=d("smollm2-135m"), help="model name, HF directory or .gguf file"
-    )
-    p.add_argument(
-        "--drafter", default=d("default"), help="'default', 'none' or an EAGLE-3 drafter directory"
-    )
-    p.add_argument(
-        "--num-draft-tokens", "-k", type=int, default=d(5), help="draft tokens per step (K)"
-    )
-    p.add_argument("--max-batch-size", type=int, default=d(8))
-    p.add_argument("--max-model-len", type=int, default=d(2048))
-    p.add_argument("--device", default=d("auto"), choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default=d("auto"), choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument(
-        "--tp", type=int, default=d(1), help="tensor-parallel size (runs on Ray when > 1)"
-    )
-    p.add_argument(
-        "--no-overlap", action="store_true", help="process each step's results before the next"
-    )
-    p.add_argument(
-        "--prompt-lookup",
-        type=float,
-        default=d(0.0),
-        metavar="P",
-        help="draft the token that followed the last five tokens earlier in the request where "
-        "the drafter's own draft has probability below P (0: off)",
-    )
-    p.add_argument(
-        "--draft-siblings",
-        type=int,
-        default=d(0),
-        metavar="M",
-        help="verify the drafter's next M choices at every draft depth too, in the same pass (0: a chain)",
-    )
+from deployments.cli_args import ENGINE_FLAGS, build_parser
 
 
 def _engine_config(args):
@@ -90,7 +41,7 @@ def _read_jsonl(path: Path) -> list[dict]:
                 raise SystemExit(f"error: {where}: each row needs a string field 'prompt'")
             rows.append(row)
     except ValueError as e:
-        raise SystemExit(f"error: {e}")
+        raise SystemExit(f"error: {e}") from None
     return rows
 
 
@@ -118,7 +69,7 @@ def cmd_generate(args) -> None:
     try:
         results = run_to_completion(cfg, prompts, params)
     except RequestError as e:
-        raise SystemExit(f"error: {e}")
+        raise SystemExit(f"error: {e}") from None
     with open(args.output, "w") as f:
         for i, (row, r) in enumerate(zip(rows, results)):
             f.write(
@@ -156,6 +107,9 @@ def run_to_completion(cfg, prompts: list[list[int]], params) -> list[dict]:
             }
             for r in requests
         ]
+    address = os.environ.get("RAY_ADDRESS")
+    if not address:
+        _local_ray_env()
     import ray
 
     from speculative.coordinator import CoordinatorActor
@@ -165,9 +119,14 @@ def run_to_completion(cfg, prompts: list[list[int]], params) -> list[dict]:
     check_tp_size(cfg)  # what fails here would fail in every worker, with Ray's tracebacks
     if cfg.drafter not in ("none", "default"):
         drafter_dir(cfg.drafter)
-    address = os.environ.get("RAY_ADDRESS")
     num_cpus = None if address or cfg.device == "cuda" else _local_cpus(cfg.tp)
-    ray.init(address=address, num_cpus=num_cpus, logging_level="WARNING", log_to_driver=False)
+    ray.init(
+        address=address,
+        num_cpus=num_cpus,
+        include_dashboard=None if address else False,
+        logging_level="WARNING",
+        log_to_driver=False,
+    )
     try:
         coordinator = CoordinatorActor.remote(cfg)
         try:
@@ -194,7 +153,8 @@ def cmd_train_drafter(args) -> None:
             raise ValueError(f"config {args.config} is not valid JSON: {e}") from None
         if not isinstance(fields, dict) or not isinstance(fields.get("distill", {}), dict):
             raise ValueError(
-                f"config {args.config} must be a JSON object of TrainConfig fields (distill: an object)"
+                f"config {args.config} must be a JSON object of TrainConfig fields "
+                "(distill: an object)"
             )
     fields.update(
         {
@@ -235,15 +195,31 @@ def _local_cpus(tp: int) -> int:
     return max(os.cpu_count() or 1, tp + 1)
 
 
-def cmd_serve(args) -> None:
-    import signal
-    import threading
+def _local_ray_env() -> None:
+    """A Ray started here listens on loopback only (Ray binds every interface unless told that
+    this host runs no cluster), with Ray's token authentication. Call before importing ray."""
+    if "ray" in sys.modules:  # too late: Ray read these at import, and half a change breaks auth
+        logging.getLogger(__name__).warning("ray was imported first: local Ray keeps its defaults")
+        return
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
 
-    import ray
-    from ray import serve
 
+def _check_port_free(host: str, port: int) -> None:
+    """One line naming the port, not Serve's proxy failing with a traceback a minute later."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Serve's proxy does
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise SystemExit(
+                f"error: cannot listen on {host}:{port} ({e.strerror}); "
+                "pick another with --port or stop what holds it"
+            ) from None
+
+
+def _serve_config(args):
     from deployments.config import load_config
-    from deployments.server import build_app
 
     overrides = {f"engine.{k}": getattr(args, k) for k in ENGINE_FLAGS}
     if args.no_overlap:
@@ -252,37 +228,63 @@ def cmd_serve(args) -> None:
         args.config,
         host=args.host,
         port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_waiting_requests=args.max_waiting_requests,
         ray_address=args.address,
         num_replicas=args.replicas,
         **overrides,
     )
+    return cfg
+
+
+def cmd_serve(args) -> None:
+    import signal
+    import threading
+
+    cfg = _serve_config(args)
+    local = cfg.ray_address is None and not os.environ.get("RAY_ADDRESS")
+    if local:
+        _check_port_free(cfg.host, cfg.port)
+        _local_ray_env()  # before anything imports ray
+    import ray
+    from ray import serve
+
+    from deployments.server import build_app
     from speculative.executor import check_tp_size
 
     check_tp_size(cfg.engine)
-    local = cfg.ray_address is None
+
     ray.init(
         address=cfg.ray_address,
         num_cpus=_local_cpus(cfg.engine.tp * cfg.num_replicas) if local else None,
+        include_dashboard=False if local else None,
         logging_level="WARNING",
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    if not args.verbose:  # the driver's Serve lines; we print our own (replicas' logs still show)
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
     try:
         serve.start(http_options={"host": cfg.host, "port": cfg.port})
         serve.run(build_app(cfg), name="eagleserve", route_prefix="/")
-        print(
-            f"eagleserve: serving {cfg.model_name!r} at http://{cfg.host}:{cfg.port}/v1", flush=True
-        )
+        url = f"http://{cfg.host}:{cfg.port}/v1"
+        print(f"eagleserve: serving {cfg.model_name!r} at {url} (Ctrl-C stops)", flush=True)
         stop.wait()
         print("eagleserve: shutting down", flush=True)
     finally:
-        serve.shutdown()
+        # delete, not serve.shutdown(): the replicas stop gracefully either way, but shutdown()
+        # kills the controller while its own graceful_shutdown runs, and Ray logs that as a failure
+        serve.delete("eagleserve")
         if local:
             ray.shutdown()
 
 
 def cmd_bench(args) -> None:
+    address = os.environ.get("RAY_ADDRESS")
+    if not address:
+        _local_ray_env()
     import ray
 
     from deployments import bench
@@ -303,8 +305,9 @@ def cmd_bench(args) -> None:
         )
     prompts = bench.load_prompts(args.dataset, max(args.num_prompts, 1))
     ray.init(
-        address=os.environ.get("RAY_ADDRESS"),
+        address=address,
         num_cpus=None if args.device == "cuda" else _local_cpus(1),
+        include_dashboard=None if address else False,
         logging_level="WARNING",
         log_to_driver=False,
     )
@@ -397,192 +400,28 @@ def cmd_loadtest(args) -> None:
         raise SystemExit(f"error: no request succeeded (errors: {', '.join(errors)})")
 
 
+COMMANDS = {
+    "generate": cmd_generate,
+    "train-drafter": cmd_train_drafter,
+    "serve": cmd_serve,
+    "bench": cmd_bench,
+    "loadtest": cmd_loadtest,
+}
+
+
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="eagleserve", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="generate for every row of a JSONL file")
-    gen.add_argument("input", type=Path, help='JSONL rows {"id", "prompt"}')
-    gen.add_argument("-o", "--output", type=Path, required=True)
-    _engine_args(gen)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--max-tokens", type=int, default=256)
-    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    gen.set_defaults(func=cmd_generate)
-
-    train = sub.add_parser("train-drafter", help="self-distill data and train an EAGLE-3 drafter")
-    train.add_argument(
-        "--config", type=Path, help="JSON with TrainConfig fields (flags override it)"
-    )
-    train.add_argument("--model", help="target: model name, HF directory or .gguf file")
-    train.add_argument("-o", "--output", help="directory of the exported drafter")
-    train.add_argument(
-        "--data",
-        help="directory of self-distilled data (generated when empty; default: OUTPUT.data)",
-    )
-    train.add_argument(
-        "--distill-only",
-        action="store_true",
-        help="distil one more part of data, continuing the prompt order, and stop",
-    )
-    train.add_argument("--prompts", nargs="+", help="JSONL(.gz) prompt files for self-distillation")
-    train.add_argument("--num-prompts", type=int)
-    train.add_argument("--max-steps", type=int)
-    train.add_argument("--draft-vocab-size", type=int)
-    train.add_argument("--ttt-steps", type=int, help="unrolled draft steps")
-    train.add_argument(
-        "--init-from",
-        help="drafter directory to start from (its weights, and its head rows "
-        "for the tokens the new draft vocabulary holds)",
-    )
-    train.add_argument(
-        "--time-limit", type=float, help="seconds of training; then checkpoint and stop"
-    )
-    train.add_argument(
-        "--distill-time-limit", type=float, help="seconds of self-distillation (admitting prompts)"
-    )
-    train.add_argument(
-        "--distill-skip",
-        type=int,
-        help="prompts at the start of the order not to distil (those "
-        "an earlier dataset, no longer here, covered)",
-    )
-    train.add_argument(
-        "--distill-workers",
-        type=int,
-        help="engine processes sharing the device for self-distillation",
-    )
-    train.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    train.set_defaults(func=cmd_train_drafter)
-
-    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API with Ray Serve")
-    srv.add_argument("--config", type=Path, help="YAML file with the ServeConfig fields")
-    srv.add_argument("--host", default=None, help="default 127.0.0.1")
-    srv.add_argument("--port", type=int, default=None, help="default 8000")
-    srv.add_argument(
-        "--address", default=None, help="join this Ray cluster instead of starting a local one"
-    )
-    srv.add_argument("--replicas", type=int, default=None)
-    _engine_args(srv, with_defaults=False)
-    srv.set_defaults(func=cmd_serve)
-
-    b = sub.add_parser(
-        "bench", help="offline throughput: plain vs EAGLE-3, overlap, CUDA graphs, batch sizes"
-    )
-    b.add_argument("--model", default="smollm2-135m")
-    b.add_argument("--drafter", default="default")
-    b.add_argument(
-        "--dataset", default=None, help="JSONL of prompts (default: GSM8K test, chat template)"
-    )
-    b.add_argument(
-        "--num-prompts", type=int, default=32, help="prompts per run (at least 2 x batch are used)"
-    )
-    b.add_argument("--batch", default="1,8", help="comma-separated concurrency levels")
-    b.add_argument("--modes", default="plain,eagle", help="plain and/or eagle")
-    b.add_argument("-k", default="5", help="comma-separated draft lengths")
-    b.add_argument("--cuda-graphs", choices=["on", "off", "both"], default="on")
-    b.add_argument("--overlap", choices=["on", "off", "both"], default="on")
-    b.add_argument(
-        "--graph-first-draft",
-        action="store_true",
-        help="capture each greedy decode step whole: verify + all draft forwards (default: first draft eager)",
-    )
-    b.add_argument(
-        "--prompt-lookup",
-        type=float,
-        default=0.0,
-        metavar="P",
-        help="EAGLE-3 runs with prompt lookup below drafter probability P (0: off)",
-    )
-    b.add_argument(
-        "--draft-siblings",
-        default="0",
-        metavar="M",
-        help="comma-separated siblings per draft depth for the EAGLE-3 runs (0: a chain)",
-    )
-    b.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        help="of every request (0: greedy; sampled steps "
-        "verify eagerly after the graphed target pass)",
-    )
-    b.add_argument(
-        "--logprobs",
-        type=int,
-        default=None,
-        metavar="N",
-        help="every request asks for its tokens' "
-        "log-probabilities and N top ones (what that costs: such steps verify eagerly)",
-    )
-    b.add_argument("--output-len", type=int, default=256)
-    b.add_argument("--ignore-eos", action="store_true")
-    b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    b.add_argument("--max-model-len", type=int, default=1024)
-    b.add_argument("-o", "--output", type=Path, default=Path("benchmarks/bench.json"))
-    b.set_defaults(func=cmd_bench)
-
-    lt = sub.add_parser(
-        "loadtest",
-        help="streaming HTTP load on a running server: a concurrency sweep or a "
-        "Poisson arrival rate",
-    )
-    lt.add_argument(
-        "--url", default="http://127.0.0.1:8000", help="the server (loopback unless --allow-remote)"
-    )
-    lt.add_argument(
-        "--allow-remote", action="store_true", help="allow a non-loopback --url (a real cluster)"
-    )
-    lt.add_argument("--model", default="smollm2-135m", help="the request's model field")
-    lt.add_argument(
-        "--api-key",
-        default=None,
-        help="sent as Authorization: Bearer (default: $EAGLESERVE_API_KEY)",
-    )
-    lt.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
-    lt.add_argument(
-        "--dataset", default=None, help="JSONL of prompts (default: GSM8K test questions)"
-    )
-    mode = lt.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--concurrency", default="1,4,16", help="comma-separated requests in flight, one level each"
-    )
-    mode.add_argument(
-        "--rate", default=None, help="comma-separated Poisson arrival rates (req/s) instead"
-    )
-    lt.add_argument("--num-requests", type=int, default=64, help="requests per level at most")
-    lt.add_argument(
-        "--duration",
-        type=float,
-        default=60.0,
-        help="seconds per level at most (then no new requests)",
-    )
-    lt.add_argument("--max-tokens", type=int, default=64)
-    lt.add_argument("--temperature", type=float, default=0.0)
-    lt.add_argument(
-        "--ignore-eos", action="store_true", help="every request generates --max-tokens tokens"
-    )
-    lt.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
-    lt.add_argument("--seed", type=int, default=0, help="seeds the arrival times")
-    lt.add_argument("-o", "--output", type=Path, default=Path("benchmarks/loadtest.json"))
-    lt.set_defaults(func=cmd_loadtest)
-
-    args = parser.parse_args(argv)
+    args = build_parser(__doc__).parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        args.func(args)
+        COMMANDS[args.command](args)
     except ValidationError as e:
         where = ".".join(str(p) for p in e.errors()[0]["loc"]) or "engine config"
-        raise SystemExit(f"error: invalid setting: {where}: {e.errors()[0]['msg']}")
+        raise SystemExit(f"error: invalid setting: {where}: {e.errors()[0]['msg']}") from None
     except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"error: {e}")
+        raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":

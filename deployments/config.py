@@ -33,8 +33,8 @@ class ServeConfig(BaseModel):
         30.0, ge=0
     )  # a stream whose replica fails goes on elsewhere; 0: off
     hung_step_s: float = Field(30.0, gt=0)  # a step running longer fails the health check
-    # what each tensor-parallel rank's placement bundle reserves (e.g. {"CPU": 4, "GPU": 1}); it must hold
-    # what the rank takes (1 GPU on GPUs, 1 CPU on CPUs). None: exactly that
+    # what each tensor-parallel rank's placement bundle reserves (e.g. {"CPU": 4, "GPU": 1}); it
+    # must hold what the rank takes (1 GPU on GPUs, 1 CPU on CPUs). None: exactly that
     rank_resources: dict[str, NonNegativeFloat] | None = None
     ray_address: str | None = None  # join a cluster instead of starting local Ray
 

@@ -25,6 +25,11 @@ class LLMServer:
         self.coordinator = Coordinator(cfg.engine)
         self.num_requests = 0  # accepted by this replica (replica_info)
 
+    def __del__(self):
+        # Serve calls it when the replica stops: the engine's workers go, and its socket directory
+        if hasattr(self, "coordinator"):
+            self.coordinator.shutdown()
+
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
         """Stream RequestOutput deltas; cancellation (client gone) aborts the request."""
         from speculative.executor import EngineDeadError

@@ -131,8 +131,9 @@ async def run_level(
     seed: int = 0,
     desc: str = "",
 ) -> tuple[list[RequestResult], float]:
-    """Closed loop (`concurrency` requests always in flight) or open loop (Poisson arrivals at `rate`
-    req/s) over `bodies`, until all are sent or `duration_s` passes. Returns the results and wall time."""
+    """Closed loop (`concurrency` requests always in flight) or open loop (Poisson arrivals at
+    `rate` req/s) over `bodies`, until all are sent or `duration_s` passes. Returns the results and
+    the wall time."""
     assert (concurrency is None) != (rate is None)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     # trust_env=False: a proxy from the environment must not intercept loopback traffic
@@ -245,8 +246,8 @@ def loadtest(
 def print_table(runs: list[dict]) -> None:
     kind = "concurrency" if "concurrency" in runs[0] else "rate"
     print(
-        f"{kind:>11} {'ok':>5} {'errors':>12} {'tok/s':>8} {'req/s':>6} {'ttft p50':>9} {'ttft p99':>9} "
-        f"{'itl p50':>8} {'itl p99':>8} {'e2e p50':>9} {'e2e p99':>9}"
+        f"{kind:>11} {'ok':>5} {'errors':>12} {'tok/s':>8} {'req/s':>6} {'ttft p50':>9} "
+        f"{'ttft p99':>9} {'itl p50':>8} {'itl p99':>8} {'e2e p50':>9} {'e2e p99':>9}"
     )
     ms = lambda v: f"{v:.1f}" if v is not None else "-"  # noqa: E731
     for r in runs:
@@ -254,8 +255,9 @@ def print_table(runs: list[dict]) -> None:
         print(
             f"{r[kind]:>11} {r['num_ok']:>5} {errors:>12} {r['output_tokens_per_s']:>8.1f} "
             f"{r['requests_per_s']:>6.2f} "
-            f"{ms(r['ttft_ms']['p50']):>9} {ms(r['ttft_ms']['p99']):>9} {ms(r['itl_ms']['p50']):>8} "
-            f"{ms(r['itl_ms']['p99']):>8} {ms(r['e2e_ms']['p50']):>9} {ms(r['e2e_ms']['p99']):>9}"
+            f"{ms(r['ttft_ms']['p50']):>9} {ms(r['ttft_ms']['p99']):>9} "
+            f"{ms(r['itl_ms']['p50']):>8} {ms(r['itl_ms']['p99']):>8} "
+            f"{ms(r['e2e_ms']['p50']):>9} {ms(r['e2e_ms']['p99']):>9}"
         )
     print("(latencies in ms; itl is the gap between streamed chunks)")
     if any(r["tokens_estimated"] for r in runs):

@@ -5,9 +5,9 @@ rank over ZMQ (ipc on one node, tcp across nodes); rank 0 sends the results back
 import logging
 import os
 import pickle
+import shutil
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 
 import ray
@@ -84,11 +84,10 @@ class RayExecutor:
         one_node = all(ip == here for ip, _ in addresses)
         self.ctx = zmq.Context()
         self.results = self.ctx.socket(zmq.PULL)
-        tag = uuid.uuid4().hex[:12]
         if one_node:
-            base = os.path.join(tempfile.gettempdir(), f"eagleserve-{tag}")
-            result_addr = f"ipc://{base}-results"
-            plan_addrs = [f"ipc://{base}-plan-{i}" for i in range(len(self.workers))]
+            self.socket_dir = socket_dir()
+            result_addr = f"ipc://{self.socket_dir}/results"
+            plan_addrs = [f"ipc://{self.socket_dir}/plan-{i}" for i in range(len(self.workers))]
             self.results.bind(result_addr)
         else:
             port = self.results.bind_to_random_port(f"tcp://{here}")
@@ -189,6 +188,8 @@ class RayExecutor:
             remove_placement_group(self.pg)
         if hasattr(self, "ctx"):
             self.ctx.destroy(linger=0)
+        if getattr(self, "socket_dir", None):
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
 @dataclass
@@ -198,6 +199,32 @@ class PendingStep:
 
     def result(self) -> StepResult:
         return self.executor.wait_result(self.step_id)
+
+
+SOCKET_DIR_PREFIX = "eagleserve-"
+
+
+def socket_dir() -> str:
+    """A private directory (mode 0700) for this process's ipc sockets, named by its pid: the dirs
+    of processes no longer alive (a crashed run) are removed first."""
+    tmp = tempfile.gettempdir()
+    for name in os.listdir(tmp):
+        pid = name.removeprefix(SOCKET_DIR_PREFIX).split("-")[0]
+        path = os.path.join(tmp, name)
+        if name.startswith(SOCKET_DIR_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+            if os.path.isdir(path) and os.stat(path).st_uid == os.getuid():
+                shutil.rmtree(path, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def check_tp_size(cfg: EngineConfig) -> None:

@@ -1,6 +1,6 @@
 """Shared fixtures: tiny random-weight Llama targets written as Hugging Face directories, random
-EAGLE-3 drafters for them, prompts from ../shared/data, and session-scoped engines on the real
-SmolLM2-135M (loaded once for the whole run)."""
+EAGLE-3 drafters for them, prompts from the benchmark sets shipped in deployments/data, and
+session-scoped engines on the real SmolLM2-135M (loaded once for the whole run)."""
 
 import json
 import os
@@ -10,13 +10,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-# A 2-core machine shared with other jobs: OpenMP worker threads spin against each other and make
-# small ops 10-100x slower. One intra-op thread is faster here; override with EAGLESERVE_TEST_THREADS.
-torch.set_num_threads(int(os.environ.get("EAGLESERVE_TEST_THREADS", "1")))
+from deployments.bench import eagle_set, load_prompts
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-if not DATA.is_dir():
-    DATA = Path("/work/shared/data")
+# A 2-core machine shared with other jobs: OpenMP worker threads spin against each other and make
+# small ops 10-100x slower. One intra-op thread is faster here (EAGLESERVE_TEST_THREADS overrides).
+torch.set_num_threads(int(os.environ.get("EAGLESERVE_TEST_THREADS", "1")))
 
 
 # ---- tiny random models ----
@@ -38,7 +36,7 @@ def write_tiny_llama(
     max_position_embeddings: int = 1024,
 ) -> Path:
     """A random Llama in the Hugging Face layout (config.json + model.safetensors, HF tensor names).
-    Weights depend only on the seed and shapes, so two directories differing in eos are the same model."""
+    Weights depend only on the seed and shapes: two directories differing in eos are one model."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
@@ -177,16 +175,11 @@ def tiny_prompts(
 
 def bench_questions(n: int) -> list[str]:
     """n prompts mixing the EAGLE benchmark sets (gsm8k, alpaca, qa: turns[0]) and GSM8K test."""
-    sources = [DATA / "eagle_bench" / name / "question.jsonl" for name in ("gsm8k", "alpaca", "qa")]
     per = -(-n // 4)
     out = []
-    for src in sources:
-        rows = [json.loads(line) for line in src.read_text().splitlines()[:per]]
-        out += [r["turns"][0] for r in rows]
-    out += [
-        json.loads(line)["question"]
-        for line in (DATA / "gsm8k" / "test.jsonl").read_text().splitlines()[:per]
-    ]
+    for name in ("gsm8k", "alpaca", "qa"):
+        out += load_prompts(str(eagle_set(name)), per)
+    out += load_prompts(None, per)  # GSM8K test
     return out[:n]
 
 
@@ -236,7 +229,7 @@ def smollm2_greedy_64(smollm2_engine, smollm2_prompts):
 
 @pytest.fixture(scope="session")
 def hf_smollm2():
-    """Hugging Face's own Llama on the same GGUF file (its own dequantization and q/k un-permute)."""
+    """Hugging Face's Llama on the same GGUF file (its own dequantization and q/k un-permute)."""
     from transformers import AutoModelForCausalLM
 
     from workers.loader import smollm2_gguf_path
@@ -266,7 +259,8 @@ def smollm2_near_tie(hf_smollm2):
         gap = (top.values[0] - top.values[1]).item()
         taken = {seq[n] for seq in (ours, reference) if n < len(seq)}
         assert gap < tol and taken <= set(top.indices.tolist()), (
-            f"outputs differ at new token {n}: ours {ours[n : n + 3]}, reference {reference[n : n + 3]}; "
+            f"outputs differ at new token {n}: ours {ours[n : n + 3]}, "
+            f"reference {reference[n : n + 3]}; "
             f"top-two logits {top.indices.tolist()} differ by {gap:.2e} (not a near-tie)"
         )
 

@@ -2,23 +2,28 @@
 
 import json
 import os
+import re
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
-from conftest import DATA, bench_questions
+from conftest import bench_questions
 
 ENV = os.environ | {"OMP_NUM_THREADS": os.environ.get("EAGLESERVE_TEST_THREADS", "1")}
 
 
-def eagleserve(*args, timeout=600) -> subprocess.CompletedProcess:
+def eagleserve(*args, timeout=600, env=ENV) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "deployments.cli", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=ENV,
+        env=env,
     )
 
 
@@ -32,7 +37,8 @@ def prompts_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def outputs(prompts_file):
-    """Default drafter (speculative), the same with a draft tree, and --drafter none, same prompts, greedy."""
+    """Default drafter (speculative), the same with a draft tree, and --drafter none: same prompts,
+    greedy."""
     out = {}
     for name, flags in (
         ("default", []),
@@ -110,22 +116,19 @@ def test_bad_input_exits_with_a_message(tmp_path, case, content, args, message):
     proc = eagleserve("generate", path, "-o", tmp_path / "out.jsonl", *args, timeout=120)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
-    import re
-
     assert re.search(message, proc.stderr), proc.stderr[-1000:]
     assert not (tmp_path / "out.jsonl").exists()
 
 
 def test_bench_writes_table_and_json(tmp_path):
     """`eagleserve bench` on CPU through the Ray path: one row per (mode, siblings, overlap, batch),
-    tokens from both engines, speculative rows that accept drafts, a plot; no NVML figure without a GPU."""
+    tokens from both engines, speculative rows that accept drafts, a plot; no NVML figure without a
+    GPU."""
     out = tmp_path / "bench.json"
     proc = eagleserve(
         "bench",
         "--device",
         "cpu",
-        "--dataset",
-        DATA / "gsm8k" / "test.jsonl",
         "--batch",
         "1,2",
         "-k",
@@ -190,7 +193,7 @@ def test_bench_refuses_bad_arguments(args, message):
 
 
 def test_gpu_utilization_is_the_busiest_gpus_mean(monkeypatch):
-    """The NVML poller averages each GPU's utilization over the polls and reports the busiest GPU."""
+    """The NVML poller averages each GPU's utilization over the polls, reports the busiest GPU."""
     import types
 
     from deployments.bench import GpuUtilization
@@ -213,3 +216,82 @@ def test_gpu_utilization_is_the_busiest_gpus_mean(monkeypatch):
     with GpuUtilization(enabled=False, interval_s=0.001) as utilization:  # a CPU run
         time.sleep(0.01)
     assert utilization.busy_fraction is None
+
+
+def test_engine_leaves_no_socket_files(tmp_path, prompts_file):
+    """Two TP=2 engine runs on one node (ipc channels) leave no socket directory behind, and the
+    first removes one that a crashed earlier run (a pid no longer alive) left. The runs get a
+    temp dir of their own (short: Ray keeps its sockets there too), so other jobs do not count."""
+    from tiny_models import tiny_llama
+
+    tmp = Path(tempfile.mkdtemp(prefix="es-"))
+    try:
+        dead = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], text=True, capture_output=True
+        ).stdout.strip()
+        stale = tmp / f"eagleserve-{dead}-crashed"
+        stale.mkdir()
+        (stale / "plan-0").write_text("")
+        model = tiny_llama(tmp_path / "tiny", layers=2)
+        flags = ["--model", model, "--drafter", "none", "--tp", 2, "--device", "cpu"]
+        for run in range(2):
+            out = tmp_path / f"out{run}.jsonl"
+            proc = eagleserve(
+                "generate", prompts_file, "-o", out, *flags, "--max-tokens", 4,
+                "--max-model-len", 512, env=ENV | {"TMPDIR": str(tmp)},
+            )  # fmt: skip
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            assert len(out.read_text().splitlines()) == 4
+            assert not [n for n in os.listdir(tmp) if n.startswith("eagleserve-")]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_port_in_use_is_one_line(tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = eagleserve("serve", "--port", port, "--device", "cpu", timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: cannot listen on 127.0.0.1:{port} (Address already in use); "
+        "pick another with --port or stop what holds it"
+    ]
+
+
+def test_version_and_help_tell_defaults():
+    from importlib.metadata import version
+
+    proc = eagleserve("--version", timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"eagleserve {version('eagleserve')}"
+    serve_help = " ".join(eagleserve("serve", "--help", timeout=60).stdout.split())
+    assert "--api-key" in serve_help and "--served-model-name" in serve_help
+    assert "(default: 64, or the --config file's)" in serve_help  # --max-waiting-requests
+    for command in ("generate", "bench", "loadtest", "serve"):
+        text = eagleserve(command, "--help", timeout=60).stdout
+        flags = re.findall(r"^  (-[-\w]+)", text, re.M)
+        assert len(flags) > 5
+        # each flag's entry (up to the next) has help text and names its default
+        entries = re.split(r"\n  (?=-)", text.split("options:", 1)[1])[1:]
+        for entry in entries:
+            if entry.startswith(("-h", "--version")):
+                continue
+            assert "default:" in " ".join(entry.split()), (command, entry)
+
+
+def test_serve_flags_override_the_config_file(tmp_path):
+    """serve's flags reach ServeConfig; a flag left unset keeps the --config file's value."""
+    from deployments.cli import _serve_config
+    from deployments.cli_args import build_parser
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("max_waiting_requests: 5\nport: 9001\nengine: {max_batch_size: 3}\n")
+    parse = build_parser("eagleserve").parse_args
+    cfg = _serve_config(parse(["serve", "--config", str(config)]))
+    assert (cfg.max_waiting_requests, cfg.port, cfg.engine.max_batch_size) == (5, 9001, 3)
+    assert cfg.api_key is None and cfg.model_name == "smollm2-135m"
+    args = ["--api-key", "k1", "--served-model-name", "mine", "--max-waiting-requests", "7"]
+    cfg = _serve_config(parse(["serve", "--config", str(config), *args, "--max-batch-size", "4"]))
+    assert (cfg.api_key, cfg.model_name, cfg.max_waiting_requests) == ("k1", "mine", 7)
+    assert (cfg.port, cfg.engine.max_batch_size) == (9001, 4)

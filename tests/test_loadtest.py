@@ -10,7 +10,6 @@ import threading
 
 import httpx
 import pytest
-from conftest import DATA
 from serve_app import start_app, stop_app
 from tiny_models import tiny_llama
 
@@ -19,8 +18,6 @@ from deployments.bench import load_prompts
 from deployments.cli import main
 from deployments.config import ServeConfig
 from workers.distributed import free_port
-
-GSM8K_TEST = str(DATA / "gsm8k" / "test.jsonl")  # ../shared/data, wherever the checkout is
 
 KEY = "loadtest-key"
 MAX_TOKENS = 8
@@ -47,7 +44,7 @@ def base_url(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    return load_prompts(GSM8K_TEST, 8)
+    return load_prompts(None, 8)  # the shipped GSM8K test questions
 
 
 def _run(base_url, prompts, **kw):
@@ -116,8 +113,6 @@ def test_cli_writes_table_json_and_plot(base_url, tmp_path, capsys):
             "loadtest",
             "--url",
             f"{base_url}/v1",
-            "--dataset",
-            GSM8K_TEST,
             "--model",
             "tiny",
             "--api-key",
@@ -193,10 +188,13 @@ def test_prompt_files_are_checked(tmp_path):
 
 
 STREAMS = {  # model name -> the SSE body a misbehaving server sends
-    "no-space": 'data:{"choices": [{"text": "hi"}]}\n\ndata:{"choices": [], "usage": {"completion_tokens": 3}}\n\n'
+    "no-space": 'data:{"choices": [{"text": "hi"}]}\n\n'
+    'data:{"choices": [], "usage": {"completion_tokens": 3}}\n\n'
     "data:[DONE]\n\n",
     "null-event": "data: null\n\ndata: [DONE]\n\n",
-    "no-usage": 'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n',
+    "no-usage": 'data: {"choices": [{"text": "a"}]}\n\n'
+    'data: {"choices": [{"text": "b"}]}\n\n'
+    "data: [DONE]\n\n",
 }
 
 

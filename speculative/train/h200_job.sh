@@ -54,7 +54,7 @@ if [[ " $PARTS " == *" stepspeed "* ]]; then
 fi
 if [[ " $PARTS " == *" acceptance "* ]]; then
     python3 benchmarks/acceptance.py --model "$MODEL" --drafter $DRAFTER --k ${BENCH_K:-3 5} --temperatures ${BENCH_T:-0 0.7} \
-        --max-batch-size 128 --data-root .device/data --device cuda \
+        --max-batch-size 128 --device cuda \
         --output "$OUT/acceptance.json" 2>&1 | tee "$OUT/bench.log" | grep -v "^{\|it/s\]" | tail -c 3000
 fi
 ls -la "$OUT" "$OUT/drafter"
