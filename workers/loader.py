@@ -156,10 +156,10 @@ FUSED = {
 UNFUSED = {fused: name for name, fused in FUSED.items()}
 
 
-def _checkpoint_name(module_path: str, index: int) -> str:
+def _checkpoint_name(module_path: str, index: int, param: str) -> str:
     parent, _, leaf = module_path.rpartition(".")
     leaf = UNFUSED.get((leaf, index), leaf)
-    return f"{parent}.{leaf}.weight" if parent else f"{leaf}.weight"
+    return f"{parent}.{leaf}.{param}" if parent else f"{leaf}.{param}"
 
 
 def load_weights(model: nn.Module, tensors, source: str, skip: tuple[str, ...] = ()) -> None:
@@ -169,11 +169,13 @@ def load_weights(model: nn.Module, tensors, source: str, skip: tuple[str, ...] =
     Errors name `source`."""
     modules = {n: m for n, m in model.named_modules() if hasattr(m, "load_full")}
     missing = {
-        (n, i)
+        (n, i, param)
         for n, m in modules.items()
         if n not in skip
         for i in range(len(getattr(m, "output_sizes", [0])))
-    }  # q, k, v (gate, up) each
+        for param in ("weight", "bias")
+        if isinstance(getattr(m, param, None), nn.Parameter)
+    }  # q, k, v (gate, up) each, weights and biases
     for name, tensor in tensors:
         module_path, _, param = name.removeprefix("model.").rpartition(".")
         parent, _, leaf = module_path.rpartition(".")
@@ -185,7 +187,7 @@ def load_weights(model: nn.Module, tensors, source: str, skip: tuple[str, ...] =
         if module is None or not isinstance(getattr(module, param, None), nn.Parameter):
             raise ValueError(f"{source}: unexpected tensor {name!r}")
         module.load_full(tensor.float(), index, param, f"{source}: tensor {name!r}")
-        missing.discard((module_path, index))
+        missing.discard((module_path, index, param))
     if missing:
         names = sorted(_checkpoint_name(*key) for key in missing)
         raise ValueError(

@@ -31,8 +31,7 @@ from speculative.train.ttt import loss_rows, ttt_forward, ttt_loss
 from workers.device import pick_device, pick_dtype
 from workers.layers import VocabParallelEmbedding
 from workers.loader import load_target_weights, resolve_model
-from workers.models import ModelConfig, load_config
-from workers.models.llama import Llama
+from workers.models import DecoderModel, ModelConfig, load_config, model_class
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +41,11 @@ def load_target(
     device: torch.device,
     dtype: torch.dtype,
     aux_layer_ids: tuple[int, ...] | None = None,
-) -> Llama:
+) -> DecoderModel:
     """The frozen target, capturing `aux_layer_ids` (those of the drafter it trains; None: the default)."""
     model_dir = resolve_model(model)
-    target = Llama(ModelConfig.from_hf(load_config(model_dir)), aux_layer_ids=aux_layer_ids)
+    target_cfg = ModelConfig.from_hf(load_config(model_dir))
+    target = model_class(target_cfg)(target_cfg, aux_layer_ids=aux_layer_ids)
     load_target_weights(target, model_dir)
     return target.to(device, dtype).eval()
 
@@ -105,7 +105,9 @@ def check_config(cfg: TrainConfig) -> None:
         load_source(cfg.init_from, target_cfg)
 
 
-def init_drafter(cfg: TrainConfig, target: Llama, store: TokenStore, path: Path) -> Eagle3Drafter:
+def init_drafter(
+    cfg: TrainConfig, target: DecoderModel, store: TokenStore, path: Path
+) -> Eagle3Drafter:
     """The drafter to train, written to `path` (the checkpoint format) and loaded back. Its draft
     vocabulary is the responses' most frequent tokens; its LM head and final norm start from the
     target's rows for them (a warm start for the head). With `cfg.init_from`, every other weight
@@ -209,7 +211,9 @@ def save_checkpoint(
     shutil.rmtree(old, ignore_errors=True)
 
 
-def load_checkpoint(ckpt: Path, target: Llama) -> tuple[Eagle3Drafter, dict[str, torch.Tensor]]:
+def load_checkpoint(
+    ckpt: Path, target: DecoderModel
+) -> tuple[Eagle3Drafter, dict[str, torch.Tensor]]:
     """The checkpoint's drafter and optimizer tensors."""
     try:
         return (
@@ -247,7 +251,13 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
 
 
 def train_step(
-    cfg: TrainConfig, target: Llama, drafter: Eagle3Drafter, draft_to_target, batch, device, dtype
+    cfg: TrainConfig,
+    target: DecoderModel,
+    drafter: Eagle3Drafter,
+    draft_to_target,
+    batch,
+    device,
+    dtype,
 ):
     ids, lengths, prompt_lens = batch
     rows, row_weight = loss_rows(

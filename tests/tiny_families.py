@@ -1,0 +1,113 @@
+"""Tiny random-weight checkpoints of every supported family, built and saved by transformers
+itself (its config class, its model, save_pretrained), with weights wide enough that greedy
+choices are not near-ties (the rule of conftest.write_tiny_llama)."""
+
+import json
+from pathlib import Path
+
+import torch
+
+FAMILIES = {  # family -> (transformers config class, extra config fields)
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", {"use_sliding_window": False}),
+    "qwen3": ("Qwen3Config", {"head_dim": 24, "use_sliding_window": False}),
+}
+ROPES = {  # rope_type -> rope_scaling, as the published configs write it
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    # Llama 3.1's parameters, scaled to a 64-position original context
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    # Qwen2.5's long-context setting, scaled likewise
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+}
+
+
+def tiny_config(family: str, rope: str = "default", **overrides) -> dict:
+    config = {
+        "vocab_size": 96,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "rope_scaling": ROPES[rope],
+    }
+    return config | FAMILIES[family][1] | overrides
+
+
+def init_wide_(model: torch.nn.Module, seed: int, std: float = 0.2) -> None:
+    g = torch.Generator().manual_seed(seed)
+    H = model.config.hidden_size
+    proj = std * 8 / H**0.5
+    for name, p in sorted(model.named_parameters()):
+        if name.endswith("embed_tokens.weight"):
+            scale, base = 1.0, 0.0
+        elif "norm" in name:
+            scale, base = 0.1, 1.0
+        elif name.endswith("lm_head.weight"):
+            scale, base = 3.0 / H**0.5, 0.0
+        else:  # projections and their biases
+            scale, base = proj, 0.0
+        p.data = base + torch.randn(p.shape, generator=g) * scale
+
+
+def write_tiny_family(path: Path, family: str, rope: str = "default", seed: int = 0, **overrides):
+    """A random checkpoint of `family` in the Hugging Face layout, written by transformers."""
+    import transformers
+
+    config_class = getattr(transformers, FAMILIES[family][0])
+    config = config_class(**tiny_config(family, rope, **overrides))
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    init_wide_(model, seed)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    path = Path(path)
+    model.save_pretrained(str(path))
+    return path
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> tuple[list[int], list]:
+    """transformers' own greedy continuation, recomputing the whole sequence each token (its
+    rope as it computes it for the sequence so far) -> (ids, top-two logits at each step)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    ids, tops = list(prompt), []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = hf(torch.tensor([ids])).logits[0, -1]
+            tops.append(logits.topk(2))
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt) :], tops
+
+
+def assert_greedy_equal(ours: list[int], reference: list[int], tops, tol: float = 1e-4) -> None:
+    """Token for token, or the first difference is a near-tie of the reference's top two."""
+    if ours == reference:
+        return
+    n = next(i for i, (a, b) in enumerate(zip(ours, reference)) if a != b)
+    top = tops[n]
+    gap = (top.values[0] - top.values[1]).item()
+    assert gap < tol and ours[n] in top.indices.tolist(), (
+        f"outputs differ at new token {n}: ours {ours[n : n + 3]}, reference "
+        f"{reference[n : n + 3]}; top-two logits differ by {gap:.2e} (not a near-tie)"
+    )
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
