@@ -66,14 +66,16 @@ def init_wide_(model: torch.nn.Module, seed: int, std: float = 0.2) -> None:
         p.data = base + torch.randn(p.shape, generator=g) * scale
 
 
-def write_tiny_family(path: Path, family: str, rope: str = "default", seed: int = 0, **overrides):
+def write_tiny_family(
+    path: Path, family: str, rope: str = "default", seed: int = 0, std: float = 0.2, **overrides
+) -> Path:
     """A random checkpoint of `family` in the Hugging Face layout, written by transformers."""
     import transformers
 
     config_class = getattr(transformers, FAMILIES[family][0])
     config = config_class(**tiny_config(family, rope, **overrides))
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    init_wide_(model, seed)
+    init_wide_(model, seed, std)
     if config.tie_word_embeddings:
         model.tie_weights()
     path = Path(path)

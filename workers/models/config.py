@@ -146,6 +146,7 @@ def _rope_parameters(cfg: dict, refuse) -> tuple[float, dict | None]:
         rope["factor"] = max_positions / rope["original_max_position_embeddings"]
     if rope_type == "llama3" and rope["low_freq_factor"] == rope["high_freq_factor"]:
         raise refuse(f"{key}: low_freq_factor equals high_freq_factor")
+    rope = {k: v for k, v in rope.items() if k not in ("type", "rope_theta")}
     return float(theta), rope | {"rope_type": rope_type}
 
 
