@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from conftest import run_to_completion, tiny_engine, tiny_prompts, write_random_drafter
-from tiny_families import ROPES, assert_greedy_equal, hf_greedy, write_tiny_family
+from tiny_families import assert_greedy_equal, hf_greedy, write_tiny_family
 
 from speculative.config import SamplingParams
 from workers.models import MODELS, ModelConfig
@@ -95,12 +95,16 @@ def test_greedy_matches_transformers(dirs, prompts, family, rope, overrides):
         assert_greedy_equal(request.output_ids, *hf_greedy(dirs[family, rope], prompt, 16))
 
 
-@pytest.mark.parametrize("family, rope", [("llama", "llama3"), ("qwen2", "yarn"), ("qwen3", "default")])
+@pytest.mark.parametrize(
+    "family, rope", [("llama", "llama3"), ("qwen2", "yarn"), ("qwen3", "default")]
+)
 def test_speculative_greedy_equals_plain(dirs, prompts, tmp_path, family, rope):
     target = dirs[family, rope]
     drafter = write_random_drafter(tmp_path / "drafter", target)
     plain = run_to_completion(tiny_engine(target, max_model_len=256), prompts, GREEDY)
-    drafted = run_to_completion(tiny_engine(target, drafter, k=3, max_model_len=256), prompts, GREEDY)
+    drafted = run_to_completion(
+        tiny_engine(target, drafter, k=3, max_model_len=256), prompts, GREEDY
+    )
     assert [r.output_ids for r in drafted] == [r.output_ids for r in plain]
 
 

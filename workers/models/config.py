@@ -122,7 +122,7 @@ def _check_family(cfg: dict, refuse) -> str:
     return arch[0]
 
 
-def _rope_parameters(cfg: dict, refuse) -> tuple[float, dict | None]:
+def rope_parameters(cfg: dict, refuse) -> tuple[float, dict | None]:
     """-> (theta, the scaling parameters, None for plain RoPE), from rope_parameters
     (transformers 5) or rope_scaling + rope_theta, with transformers' defaults filled in."""
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
@@ -152,7 +152,7 @@ def _rope_parameters(cfg: dict, refuse) -> tuple[float, dict | None]:
 
 def _checked_fields(cfg: dict, refuse) -> dict:
     architecture = _check_family(cfg, refuse)
-    theta, rope = _rope_parameters(cfg, refuse)
+    theta, rope = rope_parameters(cfg, refuse)
 
     def number(key: str, default=..., kind=int):  # default ...: required
         value = cfg.get(key)
