@@ -113,3 +113,93 @@ def assert_greedy_equal(ours: list[int], reference: list[int], tops, tol: float 
 
 def read_config(path: Path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
+
+
+def _head_state(target_dir: Path, draft_vocab: int, seed: int) -> tuple[dict, dict]:
+    """(target config, random EAGLE-3 tensors in the flat names) for a target directory, with a
+    draft vocabulary of the target's odd ids (d2t not zero), weights wide as write_random_drafter's."""
+    from speculative.drafter_format import drafter_config_for, random_drafter_state
+    from workers.models import ModelConfig
+
+    target = read_config(target_dir)
+    cfg = drafter_config_for(ModelConfig.from_hf(target), draft_vocab)
+    state = random_drafter_state(cfg, seed=seed)
+    wide = {n: t * 10 for n, t in state.items() if n.endswith("_proj.weight") or n[:2] in "fclm"}
+    state |= wide
+    state["d2t"] = torch.arange(draft_vocab) + 1  # draft id i -> target id 2i + 1
+    state["t2d"] = torch.arange(target["vocab_size"]) % 2 == 1
+    return target, state
+
+
+def write_flat_head(path: Path, target_dir: Path, seed: int = 1) -> Path:
+    """Laid out as yuhuili/EAGLE3-LLaMA3.1-Instruct-8B: LlamaForCausalLMEagle3, no rope_theta
+    (10000) and max_position_embeddings 2048 (here 32) whatever the target's, midlayer.* names,
+    no embed_tokens."""
+    from safetensors.torch import save_file
+
+    target, state = _head_state(target_dir, 48, seed)
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": target["hidden_size"],
+        "intermediate_size": target["intermediate_size"],
+        "num_attention_heads": target["num_attention_heads"],
+        "num_key_value_heads": target["num_key_value_heads"],
+        "num_hidden_layers": 1,
+        "max_position_embeddings": 32,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": target["vocab_size"],
+        "draft_vocab_size": 48,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+    }
+    Path(path).mkdir(parents=True)
+    (Path(path) / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(state, str(Path(path) / "model.safetensors"))
+    return Path(path)
+
+
+def write_speculators_head(
+    path: Path, target_dir: Path, layer_type: str = "llama", norm_before_residual: bool = True
+) -> Path:
+    """Laid out as vLLM speculators' Eagle3Speculator heads (RedHatAI/*speculator.eagle3): the
+    layer's config nested in transformer_layer_config (Llama's, or speculators' Qwen3 layer with
+    an explicit head_dim), EAGLE-3 fields on top, tensors named layers.0.*."""
+    from safetensors.torch import save_file
+
+    target, state = _head_state(target_dir, 48, seed=2)
+    state = {n.replace("midlayer.", "layers.0."): t for n, t in state.items()}
+    layer = {
+        "architectures": ["LlamaForCausalLM" if layer_type == "llama" else "Qwen3ForCausalLM"],
+        "model_type": layer_type,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "mlp_bias": False,
+        "num_hidden_layers": 1,
+        "max_position_embeddings": 32,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": target.get("rope_parameters", {}).get("rope_theta", 10000.0),
+    }
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads"):
+        layer[key] = target[key]
+    layer |= {"head_dim": target.get("head_dim"), "vocab_size": target["vocab_size"]}
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.1.0",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "verifier": {"architectures": target["architectures"], "name_or_path": "tiny"},
+        },
+        "transformer_layer_config": layer,
+        "draft_vocab_size": 48,
+        "norm_before_residual": norm_before_residual,
+        "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": [0, 1, 2],
+        "torch_dtype": "float32",
+    }
+    Path(path).mkdir(parents=True)
+    (Path(path) / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(state, str(Path(path) / "model.safetensors"))
+    return Path(path)
