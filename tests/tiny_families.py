@@ -117,7 +117,8 @@ def read_config(path: Path) -> dict:
 
 def _head_state(target_dir: Path, draft_vocab: int, seed: int) -> tuple[dict, dict]:
     """(target config, random EAGLE-3 tensors in the flat names) for a target directory, with a
-    draft vocabulary of the target's odd ids (d2t not zero), weights wide as write_random_drafter's."""
+    draft vocabulary of the target's odd ids (d2t not zero), weights wide as
+    write_random_drafter's."""
     from speculative.drafter_format import drafter_config_for, random_drafter_state
     from workers.models import ModelConfig
 

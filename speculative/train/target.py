@@ -26,7 +26,8 @@ def _causal_attention(
 @torch.no_grad()
 def target_features(model: DecoderModel, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [B, T] (right padded) -> final normed hidden [B, T, H], aux features [B, T, 3H]: the
-    residual stream entering each aux layer, exactly what `DecoderModel.forward` captures at inference."""
+    residual stream entering each aux layer, exactly what `DecoderModel.forward` captures at
+    inference."""
     B, T = ids.shape
     positions = torch.arange(T, device=ids.device).expand(B, T)
     h = model.embed_tokens(ids)
@@ -45,7 +46,8 @@ def target_draft_probs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [N, H] -> (probs [N, Vd] float32: the target's distribution renormalised over the
     draft vocabulary, is_in_draft [N]: whether the target's full-vocab argmax is a draft token).
-    Positions whose argmax is outside the draft vocabulary cannot be drafted; training skips them."""
+    Positions whose argmax is outside the draft vocabulary cannot be drafted; training skips
+    them."""
     weight = model.lm_head.weight
     in_draft = torch.zeros(weight.shape[0], dtype=torch.bool, device=hidden.device)
     in_draft[draft_to_target] = True

@@ -42,7 +42,8 @@ def load_target(
     dtype: torch.dtype,
     aux_layer_ids: tuple[int, ...] | None = None,
 ) -> DecoderModel:
-    """The frozen target, capturing `aux_layer_ids` (those of the drafter it trains; None: the default)."""
+    """The frozen target, capturing `aux_layer_ids` (those of the drafter it trains; None: the
+    default)."""
     model_dir = resolve_model(model)
     target_cfg = ModelConfig.from_hf(load_config(model_dir))
     target = model_class(target_cfg)(target_cfg, aux_layer_ids=aux_layer_ids)
@@ -52,7 +53,8 @@ def load_target(
 
 def load_source(path: str, target_cfg: ModelConfig, target_embeddings=None) -> Eagle3Drafter:
     """The init_from drafter, or a ValueError that says why it cannot be trained further for this
-    target. Without the target's embeddings (the check before distilling), a stand-in without storage."""
+    target. Without the target's embeddings (the check before distilling), a stand-in without
+    storage."""
     if target_embeddings is None:
         with torch.device("meta"):
             target_embeddings = VocabParallelEmbedding(
@@ -67,7 +69,8 @@ def load_source(path: str, target_cfg: ModelConfig, target_embeddings=None) -> E
     )  # load_drafter checked the rest
     if max(aux) >= target_cfg.num_hidden_layers:
         raise ValueError(
-            f"init_from {path} reads aux layers {aux}; the target has {target_cfg.num_hidden_layers}"
+            f"init_from {path} reads aux layers {aux}; "
+            f"the target has {target_cfg.num_hidden_layers}"
         )
     return source
 
@@ -126,7 +129,8 @@ def init_drafter(
         source = load_source(cfg.init_from, target.cfg, target.embed_tokens)
         if (source.cfg.aux_layer_ids or target.cfg.default_aux_layer_ids()) != target.aux_layer_ids:
             raise ValueError(
-                f"init_from {cfg.init_from} reads aux layers {source.cfg.aux_layer_ids}, the target "
+                f"init_from {cfg.init_from} reads aux layers {source.cfg.aux_layer_ids}, "
+                "the target "
                 f"captures {target.aux_layer_ids}: build it with load_target(..., aux_layer_ids)"
             )
         dcfg = replace(source.cfg, draft_vocab_size=cfg.draft_vocab_size)
@@ -142,7 +146,8 @@ def init_drafter(
         # benchmarks/init_from_probe.py).
         if len(source_ids) < 2 * (source_head.shape[1] + 1):
             log.warning(
-                "init_from %s has %d draft tokens, few for fitting the map of %d-wide head rows: the "
+                "init_from %s has %d draft tokens, few for fitting the map of %d-wide head rows: "
+                "the "
                 "rows of new tokens may start poorly",
                 cfg.init_from,
                 len(source_ids),
@@ -183,8 +188,9 @@ def _append_ones(rows: torch.Tensor) -> torch.Tensor:
 def save_checkpoint(
     path: Path, drafter: Eagle3Drafter, optimizer, step: int, metrics: dict, max_steps: int
 ) -> None:
-    """Written whole beside `path` (trainer_state.json last), then swapped in by renames: a run killed
-    at any point leaves the previous checkpoint or this one (`checkpoint_state` completes the swap)."""
+    """Written whole beside `path` (trainer_state.json last), then swapped in by renames: a run
+    killed at any point leaves the previous checkpoint or this one (`checkpoint_state` completes
+    the swap)."""
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
     save_drafter(tmp, drafter.cfg, drafter_state_dict(drafter))
@@ -363,8 +369,9 @@ def train(cfg: TrainConfig) -> dict:
         bar.update(1)
         elapsed = time.perf_counter() - start
         if cfg.fit_steps_to_time and cfg.time_limit_s and (step - first_step) % 40 == 0:
-            # Refit every 40 steps from the rate of the last 40: the first tens of steps run several
-            # times slower (kernels picked for new shapes), so one early estimate stops far too soon.
+            # Refit every 40 steps from the rate of the last 40: the first tens of steps run
+            # several times slower (kernels picked for new shapes), so one early estimate stops
+            # far too soon.
             rate = 40 / (elapsed - mark_s)
             fitted = step + int((cfg.time_limit_s - elapsed) * rate)
             schedule = schedule.model_copy(
