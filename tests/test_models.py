@@ -184,3 +184,15 @@ def test_sampled_distribution_qwen3(tmp_path):
     p_value = chi2_pvalue(counts, joint)
     print(f"chi-square p-value {p_value:.3g}")
     assert p_value > 1e-3
+
+
+def test_start_log_says_kv_per_token_and_concurrency(dirs, caplog):
+    """Qwen3 tiny: 4 layers x 2 KV heads x head_dim 24 x (k, v) x 4 bytes (fp32) per token."""
+    with caplog.at_level("INFO", logger="workers.model_runner"):
+        engine = tiny_engine(dirs["qwen3", "default"], max_batch_size=3, max_model_len=200)
+    cache_len = engine.executor.kv.cache_len
+    line = next(r.getMessage() for r in caplog.records if "bytes per token" in r.getMessage())
+    assert "weights 0.00 GiB on this rank" in line
+    assert f"KV cache {4 * 2 * 24 * 2 * 4} bytes per token" in line
+    assert f"{3 * cache_len} tokens of KV fit (3 slots x {cache_len})" in line
+    assert "maximum concurrency 3 requests at max_model_len 200" in line
