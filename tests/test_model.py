@@ -48,7 +48,8 @@ def full_forward_logits(model: Llama, ids: list[int]) -> torch.Tensor:
 
 def test_gqa_attention_equals_folded(tmp_path, monkeypatch):
     """Both ways of running the attention (GQA from strided queries, or the query heads folded into
-    the query length) give the same logits, for one and for several tokens per row, over cached keys."""
+    the query length) give the same logits, for one and for several tokens per row, over cached
+    keys."""
     import workers.attention
 
     model = our_llama(write_tiny_llama(tmp_path / "m", num_heads=4, num_kv_heads=2, seed=5))
@@ -89,7 +90,8 @@ def test_tiny_logits_match_hf(tmp_path, tie, layers):
 @pytest.mark.parametrize("tie, layers", [(False, 4), (True, 2)])
 def test_tiny_greedy_matches_hf_generate(tmp_path, tie, layers):
     """Batched engine output (different prompt lengths, continuous batching) == HF generate one by
-    one. The 2-layer target is shallower than the default aux layers (2, L/2, L-3): plain runs anyway."""
+    one. The 2-layer target is shallower than the default aux layers (2, L/2, L-3): plain runs
+    anyway."""
     from transformers import AutoModelForCausalLM
 
     tiny_dir = write_tiny_llama(tmp_path / "m", tie=tie, num_layers=layers, seed=12)
@@ -153,7 +155,8 @@ def test_smollm2_greedy_matches_hf_generate(
     smollm2_prompts, smollm2_greedy_64, hf_greedy_64, smollm2_near_tie
 ):
     """20 benchmark prompts with the chat template, run as ONE batch of different prompt lengths
-    (fp32, CPU), against HF generate from the GGUF file: equal, or the first difference a near-tie."""
+    (fp32, CPU), against HF generate from the GGUF file: equal, or the first difference a
+    near-tie."""
     assert len(smollm2_prompts) == 20 and len({len(p) for p in smollm2_prompts}) > 10
     for prompt, ours, ref in zip(smollm2_prompts, smollm2_greedy_64, hf_greedy_64):
         smollm2_near_tie(prompt, ours, ref)
@@ -447,8 +450,8 @@ def test_truncated_gguf_is_refused(tmp_path):
 
 
 def test_gguf_head_dim_from_key_length(tmp_path):
-    """Heads wider than hidden / heads (llama.attention.key_length) load whole; a rope_freqs.weight of
-    ones (plain rope) is skipped."""
+    """Heads wider than hidden / heads (llama.attention.key_length) load whole; a rope_freqs.weight
+    of ones (plain rope) is skipped."""
     from safetensors.torch import save_file
 
     from workers.gguf import read_gguf
@@ -475,7 +478,8 @@ def test_gguf_head_dim_from_key_length(tmp_path):
 
 @pytest.fixture
 def gguf_cache(tmp_path, monkeypatch):
-    """A fresh conversion cache; conversions counted, the tokenizer step a stub (tiny GGUFs have none)."""
+    """A fresh conversion cache; conversions counted, the tokenizer step a stub (tiny GGUFs have
+    none)."""
     from transformers import AutoTokenizer
 
     from workers import gguf
