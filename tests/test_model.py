@@ -404,8 +404,10 @@ def write_tiny_gguf(
         ),
         (dict(omit=("token_embd.weight",)), "GGUF lacks tensor token_embd.weight"),
         (
-            dict(metadata={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}),
-            "llama.rope.scaling.type = 'linear' is not supported",
+            dict(
+                metadata={"llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 4.0}
+            ),
+            "llama.rope.scaling.type = 'longrope' is not supported",
         ),
         (
             dict(metadata={"llama.rope.scaling.factor": 4.0}),
@@ -416,7 +418,7 @@ def write_tiny_gguf(
             "llama.rope.dimension_count = 4 is not supported",
         ),
         (
-            dict(tensors={"rope_freqs.weight": np.array([1, 1, 4, 8], np.float32)}),
+            dict(tensors={"rope_freqs.weight": np.array([1, 4, 8], np.float32)}),
             "rope_freqs.weight .* not supported",
         ),
         (
@@ -537,7 +539,8 @@ def test_failed_gguf_conversion_leaves_nothing(tmp_path, gguf_cache, monkeypatch
         raise ValueError("Cannot build a tokenizer from a GGUF file stating tokenizer None")
 
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", fail)
-    path = write_tiny_gguf(tmp_path / "m.gguf")
+    # a GGUF that says it has a tokenizer (one without converts to ids-only)
+    path = write_tiny_gguf(tmp_path / "m.gguf", metadata={"tokenizer.ggml.model": "llama"})
     with pytest.raises(ValueError, match="tokenizer"):
         resolve_model(str(path))
     assert [p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()] == []

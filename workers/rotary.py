@@ -10,7 +10,8 @@ import math
 import torch
 from torch import nn
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+# transformers' types, and GGUF's: llama.cpp's rope_freqs.weight, per-frequency divisors
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "freq_factors")
 
 
 def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -77,6 +78,8 @@ def rope_frequencies(
         return inv_freq / rope["factor"], 1.0
     if rope_type == "llama3":
         return llama3_inv_freq(inv_freq, rope), 1.0
+    if rope_type == "freq_factors":
+        return inv_freq / torch.tensor(rope["factors"], dtype=torch.float32), 1.0
     # dynamic NTK rescales only once a sequence outgrows max_position_embeddings, and the served
     # context never does (ModelConfig.max_len): within it, transformers' frequencies are these
     assert rope_type in ("default", "dynamic"), rope_type
