@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 from conftest import run_to_completion, tiny_engine, tiny_prompts, write_random_drafter
-from tiny_families import assert_greedy_equal, hf_greedy, write_tiny_family
+from tiny_families import assert_greedy_equal, hf_greedy, write_gguf_twin, write_tiny_family
 
 from speculative.config import SamplingParams
+from workers.loader import resolve_model
 from workers.models import MODELS, ModelConfig
 from workers.models.config import eos_token_ids
 from workers.rotary import Rotary, rope_frequencies
@@ -196,3 +197,20 @@ def test_start_log_says_kv_per_token_and_concurrency(dirs, caplog):
     assert f"KV cache {4 * 2 * 24 * 2 * 4} bytes per token" in line
     assert f"{3 * cache_len} tokens of KV fit (3 slots x {cache_len})" in line
     assert "maximum concurrency 3 requests at max_model_len 200" in line
+
+
+@pytest.mark.parametrize("family, rope", [("llama", "llama3"), ("qwen2", "yarn")])
+def test_gguf_twin_matches_the_hugging_face_checkpoint(
+    dirs, prompts, tmp_path, monkeypatch, family, rope
+):
+    """A Llama 3.1-style (rope_freqs.weight) and a Qwen2.5-style (biases, yarn metadata) GGUF
+    written by the gguf package greedy-decode as transformers does on the Hugging Face twin."""
+    monkeypatch.setenv("EAGLESERVE_CACHE", str(tmp_path / "cache"))
+    hf_dir = dirs[family, rope]
+    path = write_gguf_twin(hf_dir, tmp_path / f"{family}.gguf")
+    converted = ModelConfig.from_dir(resolve_model(str(path)))
+    assert converted.architecture == ModelConfig.from_dir(hf_dir).architecture
+    assert converted.rope_scaling["rope_type"] == {"llama": "freq_factors", "qwen2": "yarn"}[family]
+    requests = run_to_completion(tiny_engine(path, max_model_len=256), prompts, GREEDY)
+    for prompt, request in zip(prompts, requests):
+        assert_greedy_equal(request.output_ids, *hf_greedy(hf_dir, prompt, 16))

@@ -204,3 +204,78 @@ def write_speculators_head(
     (Path(path) / "config.json").write_text(json.dumps(config, indent=2))
     save_file(state, str(Path(path) / "model.safetensors"))
     return Path(path)
+
+
+def write_gguf_twin(hf_dir: Path, path: Path) -> Path:
+    """The Hugging Face checkpoint as llama.cpp's convert_hf_to_gguf.py writes it, with the gguf
+    package: Llama's q/k rows interleaved for its rope and Llama 3 scaling as rope_freqs.weight
+    (per-frequency divisors); Qwen2's q/k as they are, with biases, and yarn as metadata."""
+    import math
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    cfg = read_config(hf_dir)
+    arch = cfg["model_type"]
+    heads, kv, H = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
+    D = cfg.get("head_dim") or H // heads
+    rope = cfg.get("rope_parameters") or {}
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in {
+        "attention.head_count": heads,
+        "attention.head_count_kv": kv,
+        "embedding_length": H,
+        "feed_forward_length": cfg["intermediate_size"],
+        "block_count": cfg["num_hidden_layers"],
+        "context_length": cfg["max_position_embeddings"],
+    }.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    w.add_float32(f"{arch}.rope.freq_base", rope.get("rope_theta", 10000.0))
+    if rope.get("rope_type") == "yarn":
+        w.add_string(f"{arch}.rope.scaling.type", "yarn")
+        w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+        w.add_uint32(
+            f"{arch}.rope.scaling.original_context_length", rope["original_max_position_embeddings"]
+        )
+    tensors = {}
+    if rope.get("rope_type") == "llama3":  # llama.cpp's LlamaModel.generate_extra_tensors
+        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        old = rope["original_max_position_embeddings"]
+        factors = []
+        for freq in 1.0 / rope["rope_theta"] ** (np.arange(0, D, 2) / D):
+            wavelen = 2 * math.pi / freq
+            if wavelen < old / high:
+                factors.append(1)
+            elif wavelen > old / low:
+                factors.append(factor)
+            else:
+                smooth = (old / wavelen - low) / (high - low)
+                factors.append(1 / ((1 - smooth) / factor + smooth))
+        tensors["rope_freqs.weight"] = np.array(factors, np.float32)
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}
+    layer_names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k"}
+    layer_names |= {"self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output"}
+    layer_names |= {"mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up"}
+    layer_names |= {"mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm"}
+    layer_names |= {"post_attention_layernorm": "ffn_norm"}
+    for name, t in load_file(str(Path(hf_dir) / "model.safetensors")).items():
+        parts = name.removeprefix("model.").split(".")
+        if parts[0] == "layers":
+            module, param = ".".join(parts[2:-1]), parts[-1]
+            gguf_name = f"blk.{parts[1]}.{layer_names[module]}.{param}"
+        else:
+            gguf_name = f"{names[parts[0]]}.{parts[-1]}"
+        a = t.float().numpy()
+        if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            n = heads if "attn_q" in gguf_name else kv  # llama.cpp's permute
+            a = a.reshape(n, 2, a.shape[0] // n // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+        tensors[gguf_name] = np.ascontiguousarray(a)
+    for name, array in tensors.items():
+        w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
