@@ -64,6 +64,8 @@ def load_source(path: str, target_cfg: ModelConfig, target_embeddings=None) -> E
         source = load_drafter(Path(path), target_embeddings=target_embeddings)
     except (OSError, KeyError, RuntimeError, ValueError, SafetensorError) as e:
         raise ValueError(f"init_from {path} is not a usable drafter: {e}") from e
+    if source.cfg.norm_before_residual:  # the training forward (ttt.py) adds the raw hidden
+        raise ValueError(f"init_from {path} sets norm_before_residual, which training does not run")
     aux = (
         source.cfg.aux_layer_ids or target_cfg.default_aux_layer_ids()
     )  # load_drafter checked the rest
