@@ -45,7 +45,7 @@ def tiny_config(family: str, rope: str = "default", **overrides) -> dict:
         "bos_token_id": None,
         "eos_token_id": None,
         "pad_token_id": None,
-        "rope_scaling": ROPES[rope],
+        "rope_scaling": dict(ROPES[rope]) if ROPES[rope] else None,  # transformers fills it in
     }
     return config | FAMILIES[family][1] | overrides
 
