@@ -206,12 +206,53 @@ def write_speculators_head(
     return Path(path)
 
 
+GGUF_TOP = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}
+GGUF_LAYER = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def _gguf_name(name: str) -> str:
+    parts = name.removeprefix("model.").split(".")
+    if parts[0] == "layers":
+        return f"blk.{parts[1]}.{GGUF_LAYER['.'.join(parts[2:-1])]}.{parts[-1]}"
+    return f"{GGUF_TOP[parts[0]]}.{parts[-1]}"
+
+
+def llama3_rope_freqs(rope: dict, D: int):
+    """Llama 3 scaling as llama.cpp's LlamaModel.generate_extra_tensors writes it: a divisor per
+    base frequency."""
+    import math
+
+    import numpy as np
+
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in 1.0 / rope["rope_theta"] ** (np.arange(0, D, 2) / D):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, np.float32)
+
+
 def write_gguf_twin(hf_dir: Path, path: Path) -> Path:
     """The Hugging Face checkpoint as llama.cpp's convert_hf_to_gguf.py writes it, with the gguf
     package: Llama's q/k rows interleaved for its rope and Llama 3 scaling as rope_freqs.weight
     (per-frequency divisors); Qwen2's q/k as they are, with biases, and yarn as metadata."""
-    import math
-
     import gguf
     import numpy as np
     from safetensors.torch import load_file
@@ -240,33 +281,10 @@ def write_gguf_twin(hf_dir: Path, path: Path) -> Path:
             f"{arch}.rope.scaling.original_context_length", rope["original_max_position_embeddings"]
         )
     tensors = {}
-    if rope.get("rope_type") == "llama3":  # llama.cpp's LlamaModel.generate_extra_tensors
-        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
-        old = rope["original_max_position_embeddings"]
-        factors = []
-        for freq in 1.0 / rope["rope_theta"] ** (np.arange(0, D, 2) / D):
-            wavelen = 2 * math.pi / freq
-            if wavelen < old / high:
-                factors.append(1)
-            elif wavelen > old / low:
-                factors.append(factor)
-            else:
-                smooth = (old / wavelen - low) / (high - low)
-                factors.append(1 / ((1 - smooth) / factor + smooth))
-        tensors["rope_freqs.weight"] = np.array(factors, np.float32)
-    names = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}
-    layer_names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k"}
-    layer_names |= {"self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output"}
-    layer_names |= {"mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up"}
-    layer_names |= {"mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm"}
-    layer_names |= {"post_attention_layernorm": "ffn_norm"}
+    if rope.get("rope_type") == "llama3":
+        tensors["rope_freqs.weight"] = llama3_rope_freqs(rope, D)
     for name, t in load_file(str(Path(hf_dir) / "model.safetensors")).items():
-        parts = name.removeprefix("model.").split(".")
-        if parts[0] == "layers":
-            module, param = ".".join(parts[2:-1]), parts[-1]
-            gguf_name = f"blk.{parts[1]}.{layer_names[module]}.{param}"
-        else:
-            gguf_name = f"{names[parts[0]]}.{parts[-1]}"
+        gguf_name = _gguf_name(name)
         a = t.float().numpy()
         if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             n = heads if "attn_q" in gguf_name else kv  # llama.cpp's permute
