@@ -2,7 +2,7 @@
 reducing the target's auxiliary features and a draft vocabulary mapped to the target's by d2t.
 Its checkpoint format lives in drafter_format.py."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -10,6 +10,7 @@ from torch import nn
 from workers.attention import CachedAttention, attention_inputs
 from workers.kv_cache import ForwardBatch
 from workers.layers import ParallelLMHead, ReplicatedLinear, RMSNorm, VocabParallelEmbedding
+from workers.models.config import rope_parameters
 from workers.models.decoder import MLP
 from workers.rotary import Rotary
 
@@ -27,6 +28,10 @@ class DrafterConfig:
     draft_vocab_size: int
     target_hidden_size: int
     aux_layer_ids: tuple[int, ...] | None  # None: the target's default (2, L/2, L-3)
+    # the drafter's own RoPE (the published Llama 3.x heads: theta 10000, no scaling, while their
+    # targets scale); its max_position_embeddings is not read: the target's context is served
+    rope_scaling: dict | None = field(default=None, compare=False)
+    norm_before_residual: bool = False  # speculators' flag: the residual is the normed hidden
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "DrafterConfig":
@@ -35,6 +40,10 @@ class DrafterConfig:
                 "EAGLE-3 drafters have num_hidden_layers 1, "
                 f"this config has {cfg['num_hidden_layers']}"
             )
+        for key in ("attention_bias", "mlp_bias"):
+            if cfg.get(key):
+                raise ValueError(f"{key} is set; drafter layers with biases are not supported")
+        theta, rope = rope_parameters(cfg, ValueError)
         heads = cfg["num_attention_heads"]
         aux = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
             "eagle_aux_hidden_state_layer_ids"
@@ -46,11 +55,13 @@ class DrafterConfig:
             num_key_value_heads=cfg.get("num_key_value_heads", heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_theta=theta,
             vocab_size=cfg["vocab_size"],
             draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
             target_hidden_size=cfg.get("target_hidden_size") or cfg["hidden_size"],
             aux_layer_ids=tuple(aux) if aux else None,
+            rope_scaling=rope,
+            norm_before_residual=bool(cfg.get("norm_before_residual", False)),
         )
 
     def to_hf(self) -> dict:
@@ -73,6 +84,10 @@ class DrafterConfig:
         }
         if self.aux_layer_ids is not None:
             cfg["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layer_ids)
+        if self.rope_scaling is not None:
+            cfg["rope_scaling"] = self.rope_scaling
+        if self.norm_before_residual:
+            cfg["norm_before_residual"] = True
         return cfg
 
 
@@ -87,12 +102,15 @@ class Eagle3Layer(nn.Module):
         )
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = MLP(H, cfg.intermediate_size, group)
+        self.norm_before_residual = cfg.norm_before_residual
 
     def forward(
         self, embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        h = hidden + self.self_attn(x, batch, attention_inputs(batch, self.self_attn, x.dtype))
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        h = residual + self.self_attn(x, batch, attention_inputs(batch, self.self_attn, x.dtype))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -107,7 +125,7 @@ class Eagle3Drafter(nn.Module):
     ):
         super().__init__()
         self.cfg = cfg
-        self.rotary = Rotary(cfg.head_dim, max_positions, cfg.rope_theta)
+        self.rotary = Rotary(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.has_own_embeddings = embed_tokens is None
         self.embed_tokens = embed_tokens or VocabParallelEmbedding(
             cfg.vocab_size, cfg.hidden_size, group
@@ -123,7 +141,8 @@ class Eagle3Drafter(nn.Module):
         self, ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, from_features: bool
     ) -> torch.Tensor:
         """ids [B, T]; hidden [B, T, 3H_target] target features (first draft forward, `fc` applied
-        here) or [B, T, H] the drafter's own previous output. Returns the pre-norm output [B, T, H]."""
+        here) or [B, T, H] the drafter's own previous output.
+        Returns the pre-norm output [B, T, H]."""
         if from_features:
             hidden = self.fc(hidden)
         return self.midlayer(self.embed_tokens(ids), hidden, batch)
@@ -137,7 +156,8 @@ class Eagle3Drafter(nn.Module):
     def propose_scored(
         self, hidden: torch.Tensor, num: int = 1
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-norm output [..., H] -> (`propose`'s tokens [..., num], the drafter's probabilities of them)."""
+        """Pre-norm output [..., H] -> (`propose`'s tokens [..., num], the drafter's
+        probabilities of them)."""
         probs = self.lm_head(self.norm(hidden)).float().softmax(-1)
         draft_ids = _top(probs, num)
         return draft_ids + self.d2t[draft_ids], probs.gather(-1, draft_ids)
@@ -145,7 +165,8 @@ class Eagle3Drafter(nn.Module):
 
 def _top(scores: torch.Tensor, num: int) -> torch.Tensor:
     """The indices of the `num` highest scores [..., V], highest first [..., num]. Not topk: on the
-    GPU its radix select is a dozen kernels a call; this is one for num=1, three more a token after."""
+    GPU its radix select is a dozen kernels a call; this is one for num=1, three more a token
+    after."""
     top = scores.argmax(-1, keepdim=True)
     for _ in range(num - 1):
         scores = scores.scatter(-1, top[..., -1:], float("-inf"))

@@ -1,5 +1,6 @@
 """The EAGLE-3 drafter's checkpoint format (the one the EAGLE authors publish and vLLM, SGLang and
-TensorRT-LLM load): reading, checking, writing, int8 storage, and the default drafters.
+TensorRT-LLM load): reading, checking, writing, int8 storage, and the default drafters. vLLM's
+speculators layout is read too (drafter_speculators.py).
 
 Checkpoint tensors: midlayer.{self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, input_layernorm,
 hidden_norm, post_attention_layernorm}.weight, fc.weight, norm.weight, lm_head.weight, d2t, t2d and
@@ -17,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from speculative.drafter import DrafterConfig, Eagle3Drafter
+from speculative.drafter_speculators import flat_config, is_speculators
 from workers.layers import VocabParallelEmbedding
 from workers.loader import cache_root, iter_safetensors, load_weights
 from workers.models.config import load_config
@@ -29,11 +31,12 @@ def _standard_name(name: str) -> str:
 
 
 def read_drafter_config(path: Path) -> DrafterConfig:
+    """The flat config of the EAGLE authors and SpecForge, or vLLM's speculators config."""
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"drafter directory {path} has no config.json")
     cfg = load_config(path)
     try:
-        return DrafterConfig.from_hf(cfg)
+        return DrafterConfig.from_hf(flat_config(cfg) if is_speculators(cfg) else cfg)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise ValueError(
             f"{Path(path) / 'config.json'}: not an EAGLE-3 drafter config ({type(e).__name__}: {e})"
@@ -64,8 +67,8 @@ def load_drafter(
             )
         if not own and cfg.hidden_size != hidden:
             raise ValueError(
-                f"{source} has hidden size {cfg.hidden_size} but no embed_tokens.weight of its own: "
-                f"the target's are {hidden} wide"
+                f"{source} has hidden size {cfg.hidden_size} but no embed_tokens.weight of its "
+                f"own: the target's are {hidden} wide"
             )
     num_aux = (
         len(cfg.aux_layer_ids) if cfg.aux_layer_ids else 3
@@ -76,7 +79,8 @@ def load_drafter(
         raise ValueError(f"{source} lacks {'d2t' if d2t is None else 't2d'}")
     if d2t.shape != (cfg.draft_vocab_size,) or d2t.is_floating_point() or d2t.dtype == torch.bool:
         raise ValueError(
-            f"{source}: d2t must be {cfg.draft_vocab_size} integers, not {d2t.dtype} {list(d2t.shape)}"
+            f"{source}: d2t must be {cfg.draft_vocab_size} integers, "
+            f"not {d2t.dtype} {list(d2t.shape)}"
         )
     target_ids = torch.arange(cfg.draft_vocab_size) + d2t
     if cfg.draft_vocab_size and not 0 <= target_ids.min() <= target_ids.max() < cfg.vocab_size:
@@ -168,8 +172,9 @@ def save_drafter(
     max_shard_bytes: int | None = None,
 ) -> None:
     """Write config.json + the weights in the standard EAGLE-3 layout: model.safetensors, or, when
-    they exceed `max_shard_bytes`, model-0000i-of-0000n.safetensors + model.safetensors.index.json
-    (the Hugging Face layout). Weight files of an earlier save that are not rewritten are removed."""
+    they exceed `max_shard_bytes`, model-0000i-of-0000n.safetensors +
+    model.safetensors.index.json (the Hugging Face layout). Weight files of an earlier save that
+    are not rewritten are removed."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if dtype is not None:
@@ -258,6 +263,7 @@ def drafter_config_for(
         head_dim=target_cfg.head_dim,
         rms_norm_eps=target_cfg.rms_norm_eps,
         rope_theta=target_cfg.rope_theta,
+        rope_scaling=target_cfg.rope_scaling,
         vocab_size=target_cfg.vocab_size,
         draft_vocab_size=draft_vocab_size or target_cfg.vocab_size,
         target_hidden_size=target_cfg.hidden_size,

@@ -27,15 +27,16 @@ def encode_chats(tokenizer, chats: list[list[dict]]) -> list[list[int]]:
     return [list(x) for x in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
 
 
-def eos_ids(tokenizer, model_config: dict) -> set[int]:
+def eos_ids(tokenizer, model_dir) -> set[int]:
+    """The tokenizer's EOS and those of config.json and generation_config.json."""
+    from workers.models.config import eos_token_ids
+
     ids = (
         {tokenizer.eos_token_id}
         if tokenizer is not None and tokenizer.eos_token_id is not None
         else set()
     )
-    eos = model_config.get("eos_token_id")
-    ids |= set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
-    return ids
+    return ids | eos_token_ids(model_dir)
 
 
 class LLMEngine:
@@ -57,7 +58,7 @@ class LLMEngine:
             executor.max_model_len,
             cfg.max_num_batched_tokens,
             cfg.k,
-            eos_ids(self.tokenizer, model_config),
+            eos_ids(self.tokenizer, model_dir),
             self.tokenizer,
             cfg.seed,
             vocab_size=model_config.get("vocab_size"),

@@ -24,14 +24,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.kv_cache import ForwardBatch, read_kv, write_kv
-from workers.layers import ColumnParallelLinear, RowParallelLinear, tp_rank_size
+from workers.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, tp_rank_size
 from workers.rotary import Rotary
 
 
 @dataclass
 class AttentionInputs:
     """What every layer of one forward shares: RoPE tables [B, T, 1, D] and the additive mask,
-    [B, 1, T, S] for GQA or [B, 1, T * group, S] folded (a row per token and query head of a group)."""
+    [B, 1, T, S] for GQA or [B, 1, T * group, S] folded (a row per token and query head of a
+    group)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -98,6 +99,9 @@ def attention_inputs(
 
 
 class CachedAttention(nn.Module):
+    """Attention over the KV cache. Family options: `qkv_bias` (Qwen2's biased q, k and v
+    projections), `qk_norm_eps` (Qwen3's RMSNorm over each query and key head before RoPE)."""
+
     def __init__(
         self,
         in_features: int,
@@ -107,6 +111,8 @@ class CachedAttention(nn.Module):
         head_dim: int,
         rotary: Rotary,
         group=None,
+        qkv_bias: bool = False,
+        qk_norm_eps: float | None = None,
     ):
         super().__init__()
         _, tp = tp_rank_size(group)
@@ -120,19 +126,35 @@ class CachedAttention(nn.Module):
             in_features,
             [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
             group,
+            bias=qkv_bias,
         )
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, group)
         self.rotary = rotary
         self.cache: torch.Tensor | None = None  # [2, slots + 1, max_len, kv_heads, head_dim]
+
+    def rotated_qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, in] -> rotated queries and keys [B, T, H + KV, D], values [B, T, KV, D]."""
+        B, T, _ = x.shape
+        H, KV = self.heads, self.kv_heads
+        qkv = self.qkv_proj(x).view(B, T, H + 2 * KV, self.head_dim)
+        qk = qkv[:, :, : H + KV]
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
+        return self.rotary.apply(qk, cos, sin), qkv[:, :, H + KV :]
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, inputs: AttentionInputs
     ) -> torch.Tensor:
         B, T, _ = x.shape
         H, KV, D = self.heads, self.kv_heads, self.head_dim
-        qkv = self.qkv_proj(x).view(B, T, H + 2 * KV, D)
-        qk = self.rotary.apply(qkv[:, :, : H + KV], inputs.cos, inputs.sin)
-        write_kv(self.cache, batch, qk[:, :, H:], qkv[:, :, H + KV :])
+        qk, v = self.rotated_qkv(x, inputs.cos, inputs.sin)
+        write_kv(self.cache, batch, qk[:, :, H:], v)
         kv = read_kv(self.cache, batch)  # [2, B, KV, S, D]
         if inputs.gqa:
             out = F.scaled_dot_product_attention(

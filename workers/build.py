@@ -65,3 +65,15 @@ def load_models(
     if drafter is not None:
         drafter.to(device, dtype)
     return target, drafter
+
+
+def weight_bytes(*models: torch.nn.Module | None) -> int:
+    """Bytes of this rank's weights and buffers, each tensor once (the drafter shares the
+    target's embeddings)."""
+    tensors = {
+        t.data_ptr(): t.nbytes
+        for model in models
+        if model is not None
+        for t in (*model.parameters(), *model.buffers())
+    }
+    return sum(tensors.values())

@@ -122,6 +122,19 @@ class KVCache:
     def nbytes(self) -> int:
         return self.target.nbytes + (self.drafter.nbytes if self.drafter is not None else 0)
 
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token takes on this rank, target and drafter together."""
+        return self.nbytes // ((self.num_slots + 1) * self.cache_len)
+
+    def capacity(self, max_model_len: int) -> str:
+        """What vLLM users look for at start: KV per token, tokens that fit, concurrency."""
+        return (
+            f"KV cache {self.bytes_per_token} bytes per token; {self.num_slots * self.cache_len} "
+            f"tokens of KV fit ({self.num_slots} slots x {self.cache_len}); maximum concurrency "
+            f"{self.num_slots} requests at max_model_len {max_model_len}"
+        )
+
     def bind(self, target_attention: list, drafter_attention=None) -> None:
         """Hand each attention module its layer's cache."""
         for attn, cache in zip(target_attention, self.target, strict=True):

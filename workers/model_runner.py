@@ -25,7 +25,7 @@ from speculative.sampling import (
     token_logprobs,
 )
 from speculative.verify import verify_greedy, verify_seeded
-from workers.build import load_models
+from workers.build import load_models, weight_bytes
 from workers.cuda_graphs import StepGraphSet, capture_step_graphs
 from workers.device import pick_device, pick_dtype
 from workers.kv_cache import KVCache
@@ -70,6 +70,12 @@ class ModelRunner:
             "rank %d: loaded %s (drafter %s) in %.1f s", self.rank, cfg.model, cfg.drafter, seconds
         )
         self._allocate(cache_len)
+        log.info(
+            "rank %d: weights %.2f GiB on this rank; %s",
+            self.rank,
+            weight_bytes(self.target, self.drafter) / 2**30,
+            self.kv.capacity(self.max_model_len),
+        )
         self.graphs = StepGraphSet()
         if cfg.cuda_graphs and self.device.type == "cuda":
             with torch.inference_mode():

@@ -5,19 +5,18 @@ import torch
 import torch.nn.functional as F
 
 from workers.attention import CachedAttention
-from workers.models.llama import Llama
+from workers.models import DecoderModel
 
 
 def _causal_attention(
     attn: CachedAttention, x: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
     B, T, _ = x.shape
-    D = attn.head_dim
-    q, k, v = attn.qkv_proj(x).split([attn.heads * D, attn.kv_heads * D, attn.kv_heads * D], dim=-1)
-    q = attn.rotary(q.view(B, T, attn.heads, D), positions).transpose(1, 2)  # [B, heads, T, D]
-    # [B, kv_heads, T, D]
-    k = attn.rotary(k.view(B, T, attn.kv_heads, D), positions).transpose(1, 2)
-    v = v.view(B, T, attn.kv_heads, D).transpose(1, 2)
+    H, D = attn.heads, attn.head_dim
+    qk, v = attn.rotated_qkv(x, *attn.rotary.tables(positions, x.dtype))
+    q = qk[:, :, :H].transpose(1, 2)  # [B, heads, T, D]
+    k = qk[:, :, H:].transpose(1, 2)  # [B, kv_heads, T, D]
+    v = v.transpose(1, 2)
     out = F.scaled_dot_product_attention(
         q, k, v, is_causal=True, enable_gqa=attn.heads != attn.kv_heads
     )
@@ -25,9 +24,10 @@ def _causal_attention(
 
 
 @torch.no_grad()
-def target_features(model: Llama, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def target_features(model: DecoderModel, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [B, T] (right padded) -> final normed hidden [B, T, H], aux features [B, T, 3H]: the
-    residual stream entering each aux layer, exactly what `Llama.forward` captures at inference."""
+    residual stream entering each aux layer, exactly what `DecoderModel.forward` captures at
+    inference."""
     B, T = ids.shape
     positions = torch.arange(T, device=ids.device).expand(B, T)
     h = model.embed_tokens(ids)
@@ -42,12 +42,12 @@ def target_features(model: Llama, ids: torch.Tensor) -> tuple[torch.Tensor, torc
 
 @torch.no_grad()
 def target_draft_probs(
-    model: Llama, hidden: torch.Tensor, draft_to_target: torch.Tensor, chunk: int = 8192
+    model: DecoderModel, hidden: torch.Tensor, draft_to_target: torch.Tensor, chunk: int = 8192
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [N, H] -> (probs [N, Vd] float32: the target's distribution renormalised over the
     draft vocabulary, is_in_draft [N]: whether the target's full-vocab argmax is a draft token).
-    Positions whose argmax is outside the draft vocabulary cannot be drafted;
-    training skips them."""
+    Positions whose argmax is outside the draft vocabulary cannot be drafted; training skips
+    them."""
     weight = model.lm_head.weight
     in_draft = torch.zeros(weight.shape[0], dtype=torch.bool, device=hidden.device)
     in_draft[draft_to_target] = True

@@ -31,8 +31,7 @@ from speculative.train.ttt import loss_rows, ttt_forward, ttt_loss
 from workers.device import pick_device, pick_dtype
 from workers.layers import VocabParallelEmbedding
 from workers.loader import load_target_weights, resolve_model
-from workers.models import ModelConfig, load_config
-from workers.models.llama import Llama
+from workers.models import DecoderModel, ModelConfig, load_config, model_class
 
 log = logging.getLogger(__name__)
 
@@ -42,19 +41,20 @@ def load_target(
     device: torch.device,
     dtype: torch.dtype,
     aux_layer_ids: tuple[int, ...] | None = None,
-) -> Llama:
-    """The frozen target, capturing `aux_layer_ids` (those of the drafter it trains;
-    None: the default)."""
+) -> DecoderModel:
+    """The frozen target, capturing `aux_layer_ids` (those of the drafter it trains; None: the
+    default)."""
     model_dir = resolve_model(model)
-    target = Llama(ModelConfig.from_hf(load_config(model_dir)), aux_layer_ids=aux_layer_ids)
+    target_cfg = ModelConfig.from_hf(load_config(model_dir))
+    target = model_class(target_cfg)(target_cfg, aux_layer_ids=aux_layer_ids)
     load_target_weights(target, model_dir)
     return target.to(device, dtype).eval()
 
 
 def load_source(path: str, target_cfg: ModelConfig, target_embeddings=None) -> Eagle3Drafter:
     """The init_from drafter, or a ValueError that says why it cannot be trained further for this
-    target. Without the target's embeddings (the check before distilling), a
-    stand-in without storage."""
+    target. Without the target's embeddings (the check before distilling), a stand-in without
+    storage."""
     if target_embeddings is None:
         with torch.device("meta"):
             target_embeddings = VocabParallelEmbedding(
@@ -64,6 +64,8 @@ def load_source(path: str, target_cfg: ModelConfig, target_embeddings=None) -> E
         source = load_drafter(Path(path), target_embeddings=target_embeddings)
     except (OSError, KeyError, RuntimeError, ValueError, SafetensorError) as e:
         raise ValueError(f"init_from {path} is not a usable drafter: {e}") from e
+    if source.cfg.norm_before_residual:  # the training forward (ttt.py) adds the raw hidden
+        raise ValueError(f"init_from {path} sets norm_before_residual, which training does not run")
     # load_drafter checked the rest
     aux = source.cfg.aux_layer_ids or target_cfg.default_aux_layer_ids()
     if max(aux) >= target_cfg.num_hidden_layers:
@@ -106,7 +108,9 @@ def check_config(cfg: TrainConfig) -> None:
         load_source(cfg.init_from, target_cfg)
 
 
-def init_drafter(cfg: TrainConfig, target: Llama, store: TokenStore, path: Path) -> Eagle3Drafter:
+def init_drafter(
+    cfg: TrainConfig, target: DecoderModel, store: TokenStore, path: Path
+) -> Eagle3Drafter:
     """The drafter to train, written to `path` (the checkpoint format) and loaded back. Its draft
     vocabulary is the responses' most frequent tokens; its LM head and final norm start from the
     target's rows for them (a warm start for the head). With `cfg.init_from`, every other weight
@@ -126,8 +130,8 @@ def init_drafter(cfg: TrainConfig, target: Llama, store: TokenStore, path: Path)
         if (source.cfg.aux_layer_ids or target.cfg.default_aux_layer_ids()) != target.aux_layer_ids:
             raise ValueError(
                 f"init_from {cfg.init_from} reads aux layers {source.cfg.aux_layer_ids}, "
-                f"the target captures {target.aux_layer_ids}: "
-                "build it with load_target(..., aux_layer_ids)"
+                "the target "
+                f"captures {target.aux_layer_ids}: build it with load_target(..., aux_layer_ids)"
             )
         dcfg = replace(source.cfg, draft_vocab_size=cfg.draft_vocab_size)
         state = {
@@ -184,8 +188,8 @@ def save_checkpoint(
     path: Path, drafter: Eagle3Drafter, optimizer, step: int, metrics: dict, max_steps: int
 ) -> None:
     """Written whole beside `path` (trainer_state.json last), then swapped in by renames: a run
-    killed at any point leaves the previous checkpoint or this one (`checkpoint_state`
-    completes the swap)."""
+    killed at any point leaves the previous checkpoint or this one (`checkpoint_state` completes
+    the swap)."""
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
     save_drafter(tmp, drafter.cfg, drafter_state_dict(drafter))
@@ -212,7 +216,9 @@ def save_checkpoint(
     shutil.rmtree(old, ignore_errors=True)
 
 
-def load_checkpoint(ckpt: Path, target: Llama) -> tuple[Eagle3Drafter, dict[str, torch.Tensor]]:
+def load_checkpoint(
+    ckpt: Path, target: DecoderModel
+) -> tuple[Eagle3Drafter, dict[str, torch.Tensor]]:
     """The checkpoint's drafter and optimizer tensors."""
     try:
         return (
@@ -250,7 +256,13 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
 
 
 def train_step(
-    cfg: TrainConfig, target: Llama, drafter: Eagle3Drafter, draft_to_target, batch, device, dtype
+    cfg: TrainConfig,
+    target: DecoderModel,
+    drafter: Eagle3Drafter,
+    draft_to_target,
+    batch,
+    device,
+    dtype,
 ):
     ids, lengths, prompt_lens = batch
     # host: no GPU sync
@@ -355,9 +367,9 @@ def train(cfg: TrainConfig) -> dict:
         bar.update(1)
         elapsed = time.perf_counter() - start
         if cfg.fit_steps_to_time and cfg.time_limit_s and (step - first_step) % 40 == 0:
-            # Refit every 40 steps from the rate of the last 40: the first tens of steps run several
-            # times slower (kernels picked for new shapes), so one early
-            # estimate stops far too soon.
+            # Refit every 40 steps from the rate of the last 40: the first tens of steps run
+            # several times slower (kernels picked for new shapes), so one early estimate stops
+            # far too soon.
             rate = 40 / (elapsed - mark_s)
             fitted = step + int((cfg.time_limit_s - elapsed) * rate)
             schedule = schedule.model_copy(

@@ -6,9 +6,15 @@ name in `config.SUPPORTED_ARCHITECTURES`."""
 from workers.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, load_config
 from workers.models.decoder import DecoderModel
 from workers.models.llama import Llama
+from workers.models.mistral import Mistral
+from workers.models.qwen2 import Qwen2
+from workers.models.qwen3 import Qwen3
 
 MODELS: dict[str, type[DecoderModel]] = {
     "LlamaForCausalLM": Llama,
+    "MistralForCausalLM": Mistral,
+    "Qwen2ForCausalLM": Qwen2,
+    "Qwen3ForCausalLM": Qwen3,
 }
 assert set(MODELS) == set(SUPPORTED_ARCHITECTURES)
 

@@ -1,10 +1,31 @@
 """The target's checked model config: read once from config.json, then passed down."""
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)  # keep in step with models/__init__.py
+from workers.rotary import ROPE_TYPES
+
+# architecture -> model_type; keep in step with MODELS in models/__init__.py
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+# fields that mean a model this code would run wrongly: refused by name
+UNSUPPORTED_FIELDS = {
+    "num_experts": "mixture-of-experts layers",
+    "num_local_experts": "mixture-of-experts layers",
+    "n_routed_experts": "mixture-of-experts layers",
+    "kv_lora_rank": "multi-head latent attention (MLA)",
+    "q_lora_rank": "multi-head latent attention (MLA)",
+    "vision_config": "a multimodal model",
+    "audio_config": "a multimodal model",
+    "text_config": "a multimodal model (its text model's config is nested)",
+}
+ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",)}
+ROPE_REQUIRED["llama3"] = ("factor", "low_freq_factor", "high_freq_factor")
 
 
 def read_json(path: Path) -> dict:
@@ -20,6 +41,17 @@ def read_json(path: Path) -> dict:
 def load_config(model_dir: Path) -> dict:
     """A model directory's config.json, as a dict."""
     return read_json(Path(model_dir) / "config.json")
+
+
+def eos_token_ids(model_dir: Path) -> set[int]:
+    """The ids that end generation: config.json's eos_token_id and generation_config.json's (an
+    id or a list: Llama 3 Instruct ends on any of three)."""
+    ids = set()
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        eos = read_json(path).get("eos_token_id") if path.is_file() else None
+        ids |= set(eos) if isinstance(eos, list) else {eos} if eos is not None else set()
+    return ids
 
 
 @dataclass(frozen=True)
@@ -38,6 +70,8 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    rope_scaling: dict | None = field(default=None, compare=False)  # rotary.rope_frequencies'
+    sliding_window: int | None = None  # Mistral's; served only while the context fits in it
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
@@ -50,29 +84,75 @@ class ModelConfig:
 
     def max_len(self, requested: int) -> int:
         """The sequence length served: the requested one, within the model's positions."""
-        return min(requested, self.max_position_embeddings)
+        max_len = min(requested, self.max_position_embeddings)
+        if self.sliding_window is not None and self.sliding_window < max_len:
+            raise ValueError(
+                f"sliding_window {self.sliding_window} is shorter than the context in use "
+                f"({max_len}); sliding-window attention is not supported: serve with "
+                f"max_model_len <= {self.sliding_window}"
+            )
+        return max_len
 
     def default_aux_layer_ids(self) -> tuple[int, ...]:
         L = self.num_hidden_layers
         return (2, L // 2, L - 3)
 
 
-def _checked_fields(cfg: dict, refuse) -> dict:
+def _check_family(cfg: dict, refuse) -> str:
     arch = cfg.get("architectures") or ["LlamaForCausalLM"]
-    if cfg.get("model_type", "llama") != "llama" or arch != ["LlamaForCausalLM"]:
+    model_type = cfg.get("model_type", "llama")
+    if len(arch) != 1 or SUPPORTED_ARCHITECTURES.get(arch[0]) != model_type:
         raise refuse(
-            f"model_type {cfg.get('model_type')!r}, architectures {arch}: only Llama "
-            "(LlamaForCausalLM) is supported"
+            f"model_type {model_type!r}, architectures {arch}: supported are "
+            + ", ".join(f"{a} ({t})" for a, t in SUPPORTED_ARCHITECTURES.items())
         )
+    for key, what in UNSUPPORTED_FIELDS.items():
+        if cfg.get(key):
+            raise refuse(f"{key} is set: {what} is not supported")
     if cfg.get("hidden_act", "silu") != "silu":
         raise refuse(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key):
             raise refuse(f"{key} is set; layers with biases are not supported")
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
+        key = "use_sliding_window" if cfg.get("use_sliding_window") else "layer_types"
+        raise refuse(f"{key}: sliding-window attention layers are not supported")
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+        raise refuse(f"partial_rotary_factor {cfg['partial_rotary_factor']} is not supported")
+    return arch[0]
+
+
+def rope_parameters(cfg: dict, refuse) -> tuple[float, dict | None]:
+    """-> (theta, the scaling parameters, None for plain RoPE), from rope_parameters
+    (transformers 5) or rope_scaling + rope_theta, with transformers' defaults filled in."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise refuse(f"unsupported rope scaling {rope_type!r}")
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if rope_type not in ROPE_TYPES:
+        raise refuse(f"{key}: unsupported rope type {rope_type!r} (supported: {ROPE_TYPES})")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise refuse(f"{key}.partial_rotary_factor {rope['partial_rotary_factor']} is unsupported")
+    if not isinstance(theta, int | float) or theta <= 1:
+        raise refuse(f"rope_theta must be a number above 1, not {theta!r}")
+    if rope_type == "default":
+        return float(theta), None
+    for name in ROPE_REQUIRED.get(rope_type, ()):
+        if not isinstance(rope.get(name), int | float):
+            raise refuse(f"{key} of type {rope_type!r} lacks a number {name}")
+    max_positions = cfg.get("max_position_embeddings", 2048)
+    rope.setdefault("original_max_position_embeddings", max_positions)
+    if rope_type == "yarn" and rope.get("factor") is None:
+        rope["factor"] = max_positions / rope["original_max_position_embeddings"]
+    if rope_type == "llama3" and rope["low_freq_factor"] == rope["high_freq_factor"]:
+        raise refuse(f"{key}: low_freq_factor equals high_freq_factor")
+    rope = {k: v for k, v in rope.items() if k not in ("type", "rope_theta")}
+    return float(theta), rope | {"rope_type": rope_type}
+
+
+def _checked_fields(cfg: dict, refuse) -> dict:
+    architecture = _check_family(cfg, refuse)
+    theta, rope = rope_parameters(cfg, refuse)
 
     def number(key: str, default=..., kind=int):  # default ...: required
         value = cfg.get(key)
@@ -101,10 +181,14 @@ def _checked_fields(cfg: dict, refuse) -> dict:
         num_key_value_heads=kv_heads,
         head_dim=head_dim or hidden // heads,
         rms_norm_eps=number("rms_norm_eps", 1e-5, float),
-        rope_theta=number("rope_theta", rope.get("rope_theta", 10000.0), float),
+        rope_theta=theta,
         max_position_embeddings=number("max_position_embeddings", 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        architecture=arch[0],
+        architecture=architecture,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=cfg.get("eos_token_id"),
+        rope_scaling=rope,
+        sliding_window=number("sliding_window", None)
+        if architecture == "MistralForCausalLM"
+        else None,
     )

@@ -33,14 +33,26 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks with residuals (Llama's layer)."""
+    """Pre-norm attention and MLP blocks with residuals (Llama's layer). A family's layer may set
+    `qkv_bias` (Qwen2) or `qk_norm` (Qwen3)."""
+
+    qkv_bias = False
+    qk_norm = False
 
     def __init__(self, cfg: ModelConfig, rotary: Rotary, group=None):
         super().__init__()
         H = cfg.hidden_size
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.self_attn = CachedAttention(
-            H, H, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, rotary, group
+            H,
+            H,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            rotary,
+            group,
+            qkv_bias=self.qkv_bias,
+            qk_norm_eps=cfg.rms_norm_eps if self.qk_norm else None,
         )
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = MLP(H, cfg.intermediate_size, group)
@@ -74,7 +86,7 @@ class DecoderModel(nn.Module):
                 raise ValueError(
                     f"aux hidden-state layer id {i} outside 0..{cfg.num_hidden_layers - 1}"
                 )
-        self.rotary = Rotary(cfg.head_dim, max_positions, cfg.rope_theta)
+        self.rotary = Rotary(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group)
         self.layers = nn.ModuleList(
             self.layer_class(cfg, self.rotary, group) for _ in range(cfg.num_hidden_layers)
