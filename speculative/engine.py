@@ -5,6 +5,7 @@ import itertools
 import logging
 from collections import deque
 
+from speculative.block_manager import BlockManager
 from speculative.config import EngineConfig, SamplingParams
 from speculative.scheduler import Request, RequestOutput, Scheduler
 
@@ -62,6 +63,9 @@ class LLMEngine:
             cfg.seed,
             vocab_size=model_config.get("vocab_size"),
             tree_rows=cfg.k * cfg.draft_siblings,
+            blocks=BlockManager(
+                executor.num_blocks, executor.block_size, cfg.enable_prefix_caching
+            ),
         )
         self.in_flight = deque()  # (plan, handle), oldest first
         self.overlap = cfg.overlap  # may be switched between runs (benchmarks)

@@ -105,6 +105,7 @@ class RayExecutor:
         )
         self.num_slots = infos[0]["num_slots"]
         self.max_model_len = infos[0]["max_model_len"]
+        self.num_blocks, self.block_size = infos[0]["num_blocks"], infos[0]["block_size"]
         self.plans = []
         for addr in plan_addrs:
             sock = self.ctx.socket(zmq.PUSH)

@@ -10,6 +10,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+from speculative.block_manager import BlockManager, RequestBlocks
 from speculative.config import MAX_STOP_IDS, SamplingParams
 from speculative.plan import PrefillRow, StepPlan, StepResult
 
@@ -40,6 +41,9 @@ class Request:
         0  # a stop string counts if it ends past this many characters of text:
     )
     # a resumed request's earlier output, min_tokens' (None until then)
+    blocks: list[int] = field(default_factory=list)  # its KV blocks, in position order
+    block_hashes: list[int] = field(default_factory=list)  # of its full blocks, once cached
+    is_preempted: bool = False  # its blocks are given back; requeued once no step holds it
 
     @property
     def is_finished(self) -> bool:
@@ -72,6 +76,7 @@ class StepStats:
     num_draft_proposed: int = 0
     num_draft_accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # per draft position
+    num_preemptions: int = 0
 
 
 def _logprobs(arrays: tuple | None, row: int, columns, n: int | None) -> list | None:
@@ -101,6 +106,7 @@ class Scheduler:
         seed: int = 0,
         vocab_size: int | None = None,
         tree_rows: int = 0,
+        blocks: BlockManager | None = None,
     ):
         self.num_slots, self.max_model_len, self.k = num_slots, max_model_len, k
         self.tree_rows = (
@@ -120,6 +126,8 @@ class Scheduler:
         self.seeds = itertools.count(seed * 1_000_003 + 1)
         self.stats = StepStats(accepted_at=[0] * k)
         self.rows_of_step: dict[int, list[str]] = {}  # request id of each result row, per step
+        # the paged KV pool's blocks; None: plans over the workers' contiguous per-slot caches
+        self.kv = RequestBlocks(blocks, k, tree_rows, max_model_len) if blocks else None
 
     # ---- admission ----
 
@@ -155,6 +163,12 @@ class Scheduler:
             raise RequestError("prior_output_tokens exceeds the prompt")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer and this model directory has none")
+        if self.kv is not None and not self.kv.fits_ever(len(prompt_ids) + params.max_tokens):
+            pool = self.kv.manager
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) can never "
+                f"fit the KV cache pool of {pool.num_blocks} blocks x {pool.block_size} tokens"
+            )
         if len(prompt_ids) > self.max_num_batched_tokens:
             raise RequestError(
                 f"prompt ({len(prompt_ids)} tokens) exceeds max_num_batched_tokens "
@@ -217,19 +231,31 @@ class Scheduler:
         decodes = [
             r
             for r in self.running.values()
-            if not r.is_finished and r.slot is not None and not self._will_surely_finish(r)
+            if not r.is_finished
+            and r.slot is not None
+            and not r.is_preempted
+            and not self._will_surely_finish(r)
         ]
+        updates = None
+        if self.kv is not None:
+            updates = []
+            decodes = self._reserve_blocks(decodes, updates)
         prefills = []
         longest = (
             0  # prefills run padded to the longest prompt: rows x longest is what the step holds
         )
         while self.waiting and self.free_slots and len(prefills) + len(decodes) < self.num_slots:
-            longest_next = max(longest, len(self.waiting[0].prompt_ids))
+            r = self.waiting[0]
+            longest_next = max(longest, len(r.prompt_ids) + len(r.output_ids))
             if (len(prefills) + 1) * longest_next > self.max_num_batched_tokens:
                 break
-            r = self.waiting.popleft()
+            r.slot = self.free_slots[0]
+            if updates is not None and not self.kv.admit(r, r.prompt_ids + r.output_ids, updates):
+                r.slot = None
+                break
+            self.waiting.popleft()
             longest = longest_next
-            r.slot = self.free_slots.pop(0)
+            self.free_slots.pop(0)
             self.running[r.request_id] = r
             prefills.append(r)
         if not prefills and not decodes:
@@ -249,10 +275,7 @@ class Scheduler:
         )
         plan = StepPlan(
             step_id=step_id,
-            prefills=[
-                PrefillRow(r.slot, r.prompt_ids, r.seed, r.params, *self._min_tokens_stops(r))
-                for r in prefills
-            ],
+            prefills=[self._prefill_row(r) for r in prefills],
             decode_slots=[r.slot for r in decodes],
             free_slots=self.slots_to_release,
             kv_len=-(-span // 64) * 64,
@@ -279,9 +302,43 @@ class Scheduler:
                 default=None,
             ),
         )
+        plan.block_updates = updates
         self.slots_to_release = []
         self.rows_of_step[step_id] = [r.request_id for r in rows]
         return plan
+
+    def _prefill_row(self, r: Request) -> PrefillRow:
+        """A resumed (preempted) request recomputes its output too."""
+        stops = self._min_tokens_stops(r)
+        row = PrefillRow(r.slot, r.prompt_ids + r.output_ids, r.seed, r.params, *stops)
+        row.num_resumed = len(r.output_ids)
+        return row
+
+    def _reserve_blocks(self, decodes: list[Request], updates: list) -> list[Request]:
+        """Blocks for every decode's rows in the next step, oldest request first; where the pool
+        runs out, the most recently admitted running request gives its blocks back (preempted:
+        recomputed from its tokens later). -> the decodes still running."""
+        kept = []
+        for r in decodes:
+            missing = self.kv.missing(r, r.in_flight + 1)
+            while missing > self.kv.manager.num_free and not r.is_preempted:
+                self._preempt(next(v for v in reversed(self.running.values()) if v.blocks))
+            if not r.is_preempted:
+                self.kv.grow(r, missing, updates)
+                kept.append(r)
+        return [r for r in kept if not r.is_preempted]
+
+    def _preempt(self, r: Request) -> None:
+        r.is_preempted = True
+        self.kv.free(r)
+        self.stats.num_preemptions += 1
+        if r.in_flight == 0:
+            self._requeue(r)
+
+    def _requeue(self, r: Request) -> None:
+        self._release(r)
+        r.is_preempted = False
+        self.waiting.appendleft(r)
 
     def _min_tokens_stops(self, r: Request) -> tuple[int, list[int]]:
         """(the first position at which EOS and stop tokens may be emitted, those tokens) for min_tokens,
@@ -318,7 +375,7 @@ class Scheduler:
                     r.params.logprobs,
                 )
                 outputs.append(self._append(r, result.tokens[row, :emitted].tolist(), logprobs))
-                if row < num_prefills:
+                if row < num_prefills and not plan.prefills[row].num_resumed:
                     outputs[-1].prompt_logprobs = _logprobs(
                         result.prompt_logprobs,
                         row,
@@ -329,6 +386,10 @@ class Scheduler:
                 r.is_finished and r.in_flight == 0 and r.slot is not None
             ):  # _finish may have released it
                 self._release(r)
+            elif r.is_preempted and r.in_flight == 0:
+                self._requeue(r)
+            elif self.kv is not None and not r.is_finished:
+                self.kv.confirm(r)
         return outputs
 
     def _count_acceptance(self, r: Request, emitted: int) -> None:
@@ -439,6 +500,8 @@ class Scheduler:
             self._release(r)
 
     def _release(self, r: Request) -> None:
+        if self.kv is not None:
+            self.kv.free(r)
         self.free_slots.append(r.slot)
         self.slots_to_release.append(r.slot)
         r.slot = None

@@ -62,6 +62,7 @@ class ModelRunner:
         # room for K+1 tokens past the last real one, twice (a step in flight may overrun a
         # finished request), and for the verify pass's siblings past the chain
         cache_len = self.max_model_len + 2 * (self.K + 1) + self.K * self.M + 1
+        cache_len = -(-cache_len // cfg.kv_block_size) * cfg.kv_block_size  # whole blocks
         self.target, self.drafter = load_models(
             cfg, self.target_cfg, model_dir, group, self.device, self.dtype, cache_len
         )
@@ -78,7 +79,8 @@ class ModelRunner:
     def _allocate(self, cache_len: int) -> None:
         cfg, tc, drafter, dev = self.cfg, self.target_cfg, self.drafter, self.device
         self.kv = KVCache.for_models(self.target, drafter, self.tp, cfg, cache_len, self.dtype, dev)
-        self.num_slots = self.kv.num_slots
+        self.num_slots, self.num_blocks = self.kv.num_slots, self.kv.num_blocks
+        self.block_size = self.kv.block_size
         self.resources = Eagle3ResourceManager(
             self.num_slots,
             max(cfg.max_num_batched_tokens, self.num_slots * self.T),
@@ -95,13 +97,18 @@ class ModelRunner:
         if drafter is not None:
             parts = (self.state, self.resources, self.kv)
             self.proposer = Proposer(drafter, *parts, self.K, self.M, cfg.prompt_lookup)
+        num_tokens = self.num_blocks * self.block_size
         log.info(
-            "rank %d: %d request slots x %d tokens; KV cache %.1f MiB (target + drafter), "
-            "Eagle3 resource manager %.1f MiB",
+            "rank %d: KV pool of %d blocks x %d tokens = %d tokens, %.1f MiB (target + drafter): "
+            "%.2f requests at max_model_len %d; %d request slots; Eagle3 resource manager %.1f MiB",
             self.rank,
-            self.num_slots,
-            cache_len,
+            self.num_blocks,
+            self.block_size,
+            num_tokens,
             self.kv.nbytes / 2**20,
+            num_tokens / self.max_model_len,
+            self.max_model_len,
+            self.num_slots,
             self.resources.nbytes / 2**20,
         )
 
@@ -133,6 +140,9 @@ class ModelRunner:
         log-probabilities (`token_logprobs`, each [rows, K+1, ...]) and with
         plan.num_prompt_logprobs the prefills' prompts' ones."""
         self.state.allocate_for(plan)
+        if plan.block_updates is not None:
+            where = (inputs["block_slots"], inputs["block_index"])
+            self.kv.update_tables(inputs["new_slots"], where, inputs["block_ids"])
         parts, seeds, prompt = [], [], None
         if plan.prefills:
             *part, seed, prompt = self._prefill(plan, inputs)

@@ -57,6 +57,10 @@ def prepare_inputs(plan: StepPlan, device: torch.device) -> dict[str, torch.Tens
     host = {"decode_slots": torch.tensor(plan.decode_slots, dtype=torch.long)}
     if plan.prefills:
         host |= _prefill_inputs(plan)
+    if plan.block_updates is not None:
+        host["new_slots"] = torch.tensor([p.slot for p in plan.prefills], dtype=torch.long)
+        updates = torch.tensor(plan.block_updates, dtype=torch.long).view(-1, 3)
+        host["block_slots"], host["block_index"], host["block_ids"] = updates.unbind(1)
     pin = device.type == "cuda"
     return {
         k: (v.pin_memory() if pin else v).to(device, non_blocking=True) for k, v in host.items()
@@ -74,7 +78,9 @@ def _prefill_inputs(plan: StepPlan) -> dict[str, torch.Tensor]:
         "prefill_lens": torch.tensor([len(p.token_ids) for p in rows]),
         "prefill_slots": torch.tensor([p.slot for p in rows]),
         "prefill_seeds": torch.tensor([p.seed for p in rows]),
-        "prefill_prior_output_tokens": torch.tensor([p.params.prior_output_tokens for p in rows]),
+        "prefill_prior_output_tokens": torch.tensor(
+            [p.params.prior_output_tokens + p.num_resumed for p in rows]
+        ),
     }
     for name, dtype, _ in SAMPLING_FIELDS:
         host[f"prefill_{name}"] = torch.tensor([getattr(p.params, name) for p in rows], dtype=dtype)

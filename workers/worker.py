@@ -108,7 +108,13 @@ class TPWorker:
         if self.rank == 0:
             self.results = self.ctx.socket(zmq.PUSH)
             self.results.connect(result_addr)
-        return {"num_slots": self.runner.num_slots, "max_model_len": self.runner.max_model_len}
+        runner = self.runner
+        return {
+            "num_slots": runner.num_slots,
+            "max_model_len": runner.max_model_len,
+            "num_blocks": runner.num_blocks,
+            "block_size": runner.block_size,
+        }
 
     def ping(self) -> bool:
         return True
