@@ -92,8 +92,6 @@ class BlockManager:
             blocks.append(block)
             hashes.append(h)
             parent = h
-        self.stats.num_queried_tokens += len(tokens)
-        self.stats.num_hit_tokens += len(blocks) * self.block_size
         return blocks, hashes
 
     def cache(self, blocks: list[int], hashes: list[int], tokens: list[int]) -> None:
@@ -142,15 +140,24 @@ class RequestBlocks:
             updates.append((r.slot, len(r.blocks), self.manager.allocate()))
             r.blocks.append(updates[-1][2])
 
-    def admit(self, r, tokens: list[int], updates: list) -> bool:
-        """Blocks for a prefill of `tokens` in r's slot, or False (nothing taken) if the pool
-        has too few free."""
-        num_new = self.needed(len(tokens), in_flight=1)
-        if num_new > self.manager.num_free:
-            return False
-        r.blocks, r.block_hashes = [], []
+    def admit(self, r, tokens: list[int], updates: list, may_match: bool) -> int | None:
+        """Blocks for a prefill of `tokens` in r's slot, the cached prefix's first (where
+        may_match; at least the last token is computed, for its logits). -> the number of
+        tokens found cached, or None (nothing taken) if the pool has too few free blocks."""
+        manager = self.manager
+        cached, hashes = manager.match(tokens, len(tokens) - 1) if may_match else ([], [])
+        num_new = self.needed(len(tokens), in_flight=1) - len(cached)
+        if num_new > manager.num_free:
+            manager.release(cached)
+            return None
+        num_cached = len(cached) * manager.block_size
+        if may_match:
+            manager.stats.num_queried_tokens += len(tokens)
+            manager.stats.num_hit_tokens += num_cached
+        r.blocks, r.block_hashes = cached, hashes
+        updates.extend((r.slot, i, block) for i, block in enumerate(cached))
         self.grow(r, num_new, updates)
-        return True
+        return num_cached
 
     def confirm(self, r) -> None:
         """Cache r's full blocks whose K/V is known right: every token before the pending one."""

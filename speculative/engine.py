@@ -63,8 +63,11 @@ class LLMEngine:
             cfg.seed,
             vocab_size=model_config.get("vocab_size"),
             tree_rows=cfg.k * cfg.draft_siblings,
+            # prompt lookup reads a request's whole prompt from the workers' history
             blocks=BlockManager(
-                executor.num_blocks, executor.block_size, cfg.enable_prefix_caching
+                executor.num_blocks,
+                executor.block_size,
+                cfg.enable_prefix_caching and not cfg.prompt_lookup,
             ),
         )
         self.in_flight = deque()  # (plan, handle), oldest first

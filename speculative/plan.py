@@ -19,6 +19,7 @@ class PrefillRow:
     stop_ids: list[int] = field(default_factory=list)  # ... those tokens (with min_tokens only)
     # a request resumed after preemption: its earlier output, at the end of token_ids
     num_resumed: int = 0
+    start: int = 0  # position of token_ids[0]: the K/V before it is cached (prefix cache)
 
 
 @dataclass

@@ -44,6 +44,7 @@ class Request:
     blocks: list[int] = field(default_factory=list)  # its KV blocks, in position order
     block_hashes: list[int] = field(default_factory=list)  # of its full blocks, once cached
     is_preempted: bool = False  # its blocks are given back; requeued once no step holds it
+    num_cached_tokens: int = 0  # of its prefill, found in the prefix cache (at its admission)
 
     @property
     def is_finished(self) -> bool:
@@ -250,9 +251,12 @@ class Scheduler:
             if (len(prefills) + 1) * longest_next > self.max_num_batched_tokens:
                 break
             r.slot = self.free_slots[0]
-            if updates is not None and not self.kv.admit(r, r.prompt_ids + r.output_ids, updates):
-                r.slot = None
-                break
+            if updates is not None:
+                cached = self.kv.admit(r, r.prompt_ids + r.output_ids, updates, self._may_match(r))
+                if cached is None:
+                    r.slot = None
+                    break
+                r.num_cached_tokens = cached
             self.waiting.popleft()
             longest = longest_next
             self.free_slots.pop(0)
@@ -310,9 +314,17 @@ class Scheduler:
     def _prefill_row(self, r: Request) -> PrefillRow:
         """A resumed (preempted) request recomputes its output too."""
         stops = self._min_tokens_stops(r)
-        row = PrefillRow(r.slot, r.prompt_ids + r.output_ids, r.seed, r.params, *stops)
-        row.num_resumed = len(r.output_ids)
+        tokens = (r.prompt_ids + r.output_ids)[r.num_cached_tokens :]
+        row = PrefillRow(r.slot, tokens, r.seed, r.params, *stops)
+        row.num_resumed, row.start = len(r.output_ids), r.num_cached_tokens
         return row
+
+    @staticmethod
+    def _may_match(r: Request) -> bool:
+        """Penalties count, and prompt_logprobs score, the whole prompt on the workers."""
+        p = r.params
+        penalties = p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1
+        return not penalties and p.prompt_logprobs is None
 
     def _reserve_blocks(self, decodes: list[Request], updates: list) -> list[Request]:
         """Blocks for every decode's rows in the next step, oldest request first; where the pool

@@ -171,23 +171,31 @@ class ModelRunner:
         self.state.admit(plan, inp)
         graphs = self.graphs.prefill
         logprobs = prompt = None
-        if graphs is not None and plan.graphable and graphs.fits(B, T):
+        # rows that continue a cached prefix run eagerly (the graphs start at position 0)
+        kv_len = max(p.start + len(p.token_ids) for p in plan.prefills)
+        if graphs is not None and plan.graphable and kv_len == T and graphs.fits(B, T):
             out = graphs(slots, lens, ids, kv_len=T)
         else:
-            out, logprobs, prompt = self._prefill_eager(plan, slots, lens, ids, kv_len=T)
-        seed = DraftSeed(slots, out[1], lens - 1, out[2]) if self.drafter is not None else None
+            starts = inp["prefill_starts"]
+            out, logprobs, prompt = self._prefill_eager(plan, slots, lens, ids, kv_len, starts)
+        if self.drafter is not None:
+            seed = DraftSeed(slots, out[1], inp["prefill_starts"] + lens - 1, out[2])
+        else:
+            seed = None
         tokens = F.pad(out[0].unsqueeze(1), (0, self.K))
         emitted = torch.ones(B, dtype=torch.long, device=self.device)
         if plan.use_penalties:
             self.state.count_outputs(slots, tokens[:, :1], emitted.unsqueeze(1).bool())
         return tokens, emitted, logprobs, seed, prompt
 
-    def _prefill_pass(self, slots, lens, ids, kv_len: int):
-        """The target over whole prompts ids [B, T], padded past lens [B]. -> final hidden
-        states [B, T, H], the forward's batch, the captured features [B, T, 3H]."""
+    def _prefill_pass(self, slots, lens, ids, kv_len: int, starts=None):
+        """The target over prompts ids [B, T], padded past lens [B], from positions starts [B]
+        (None: 0). -> final hidden states [B, T, H], the forward's batch, the captured features
+        [B, T, 3H]."""
         B, T = ids.shape
-        positions = torch.arange(T, device=self.device).expand(B, T)
-        batch = self.kv.batch(slots, positions, positions < lens.unsqueeze(1), kv_len)
+        columns = torch.arange(T, device=self.device).expand(B, T)
+        positions = columns if starts is None else columns + starts.unsqueeze(1)
+        batch = self.kv.batch(slots, positions, columns < lens.unsqueeze(1), kv_len)
         features = self.resources.feature_view(B, T)
         hidden, _ = self.target(ids, batch, features)
         return hidden, batch, features
@@ -200,12 +208,13 @@ class ModelRunner:
         token = self.target.logits(hidden[rows, lens - 1]).argmax(-1)
         return self._after_prefill(ids, lens, token, batch, features)
 
-    def _prefill_eager(self, plan: StepPlan, slots, lens, ids, kv_len: int):
-        hidden, batch, features = self._prefill_pass(slots, lens, ids, kv_len)
+    def _prefill_eager(self, plan: StepPlan, slots, lens, ids, kv_len: int, starts):
+        hidden, batch, features = self._prefill_pass(slots, lens, ids, kv_len, starts)
         rows = torch.arange(ids.shape[0], device=self.device)
         logits = self.target.logits(hidden[rows, lens - 1].unsqueeze(1))  # [B, 1, V]
-        processed = process_logits(plan, self.state, logits, slots, lens.unsqueeze(1))
-        token = sample_one(plan, self.state, processed, slots, lens)
+        ends = starts + lens  # the chosen token's position
+        processed = process_logits(plan, self.state, logits, slots, ends.unsqueeze(1))
+        token = sample_one(plan, self.state, processed, slots, ends)
         logprobs = prompt = None
         if plan.num_logprobs is not None:  # padded to K+1 columns, like the tokens
             chosen, top_ids, top_values = token_logprobs(logits, token[:, None], plan.num_logprobs)
@@ -217,7 +226,8 @@ class ModelRunner:
         return out, logprobs, prompt
 
     def _after_prefill(self, ids, lens, token, batch, features) -> tuple:
-        self.state.advance(batch.slots, token, lens)
+        rows = torch.arange(ids.shape[0], device=self.device)
+        self.state.advance(batch.slots, token, batch.positions[rows, lens - 1] + 1)
         if self.proposer is None:
             return (token,)
         seed = self.proposer.from_prompt(ids, lens, token, features, batch)

@@ -77,6 +77,7 @@ def _prefill_inputs(plan: StepPlan) -> dict[str, torch.Tensor]:
         "prefill_ids": ids,
         "prefill_lens": torch.tensor([len(p.token_ids) for p in rows]),
         "prefill_slots": torch.tensor([p.slot for p in rows]),
+        "prefill_starts": torch.tensor([p.start for p in rows]),
         "prefill_seeds": torch.tensor([p.seed for p in rows]),
         "prefill_prior_output_tokens": torch.tensor(
             [p.params.prior_output_tokens + p.num_resumed for p in rows]
