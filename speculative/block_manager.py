@@ -140,30 +140,38 @@ class RequestBlocks:
             updates.append((r.slot, len(r.blocks), self.manager.allocate()))
             r.blocks.append(updates[-1][2])
 
-    def admit(self, r, tokens: list[int], updates: list, may_match: bool) -> int | None:
-        """Blocks for a prefill of `tokens` in r's slot, the cached prefix's first (where
-        may_match; at least the last token is computed, for its logits). -> the number of
-        tokens found cached, or None (nothing taken) if the pool has too few free blocks."""
-        manager = self.manager
-        cached, hashes = manager.match(tokens, len(tokens) - 1) if may_match else ([], [])
-        num_new = self.needed(len(tokens), in_flight=1) - len(cached)
+    def match(self, r, tokens: list[int], may_match: bool) -> int:
+        """A new prefill of `tokens`: r holds the cached blocks of its prefix (where may_match;
+        the last token is always computed, for its logits). -> the tokens found cached."""
+        cached, hashes = self.manager.match(tokens, len(tokens) - 1) if may_match else ([], [])
+        r.blocks, r.block_hashes = cached, hashes
+        return len(cached) * self.manager.block_size
+
+    def admit(self, r, num_tokens: int, num_queried: int, updates: list) -> bool:
+        """After `match`: blocks for r's first num_tokens, or False (the match let go) if the
+        pool has too few free. num_queried: the tokens looked up (0: not looked up)."""
+        manager, cached = self.manager, r.blocks
+        num_new = self.needed(num_tokens, in_flight=1) - len(cached)
         if num_new > manager.num_free:
             manager.release(cached)
-            return None
-        num_cached = len(cached) * manager.block_size
-        if may_match:
-            manager.stats.num_queried_tokens += len(tokens)
-            manager.stats.num_hit_tokens += num_cached
-        r.blocks, r.block_hashes = cached, hashes
+            r.blocks, r.block_hashes = [], []
+            return False
+        manager.stats.num_queried_tokens += num_queried
+        manager.stats.num_hit_tokens += len(cached) * manager.block_size if num_queried else 0
         updates.extend((r.slot, i, block) for i, block in enumerate(cached))
         self.grow(r, num_new, updates)
-        return num_cached
+        return True
 
     def confirm(self, r) -> None:
-        """Cache r's full blocks whose K/V is known right: every token before the pending one."""
-        if r.blocks:
+        """Cache r's full blocks whose K/V is computed, by steps whose results are in: its
+        prefill chunks so far, or once prefilled, every token before the pending one."""
+        if not r.blocks:
+            return
+        if r.num_confirmed < len(r.prefill_ids):
+            tokens = r.prefill_ids[: r.num_confirmed]
+        else:
             tokens = r.prompt_ids + r.output_ids[:-1]
-            self.manager.cache(r.blocks, r.block_hashes, tokens)
+        self.manager.cache(r.blocks, r.block_hashes, tokens)
 
     def free(self, r) -> None:
         self.confirm(r)

@@ -103,12 +103,6 @@ class EngineConfig(BaseModel):
         0, ge=0, le=2**40
     )  # seeds requests that bring none (seed * 1000003 + n fits int64)
 
-    @model_validator(mode="after")
-    def _check(self):
-        if self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError("max_num_batched_tokens must be at least max_model_len")
-        return self
-
     @property
     def speculative(self) -> bool:
         return self.drafter != "none"

@@ -19,7 +19,9 @@ class PrefillRow:
     stop_ids: list[int] = field(default_factory=list)  # ... those tokens (with min_tokens only)
     # a request resumed after preemption: its earlier output, at the end of token_ids
     num_resumed: int = 0
-    start: int = 0  # position of token_ids[0]: the K/V before it is cached (prefix cache)
+    start: int = 0  # position of token_ids[0]: the K/V before it is cached or computed
+    next_token: int = -1  # a chunk short of the prefill's end: the token after it (else -1)
+    is_continued: bool = False  # a later chunk of a prefill that an earlier step began
 
 
 @dataclass

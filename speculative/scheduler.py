@@ -44,7 +44,11 @@ class Request:
     blocks: list[int] = field(default_factory=list)  # its KV blocks, in position order
     block_hashes: list[int] = field(default_factory=list)  # of its full blocks, once cached
     is_preempted: bool = False  # its blocks are given back; requeued once no step holds it
-    num_cached_tokens: int = 0  # of its prefill, found in the prefix cache (at its admission)
+    # its prefill at its (last) admission: prompt, and a resumed one's output so far; how many
+    # of those tokens steps were planned for (the prefix cache's first), and computed
+    prefill_ids: list[int] = field(default_factory=list)
+    num_prefilled: int = 0
+    num_confirmed: int = 0
 
     @property
     def is_finished(self) -> bool:
@@ -170,10 +174,22 @@ class Scheduler:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) can never "
                 f"fit the KV cache pool of {pool.num_blocks} blocks x {pool.block_size} tokens"
             )
-        if len(prompt_ids) > self.max_num_batched_tokens:
+        self._check_budget(prompt_ids, params)
+
+    def _check_budget(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """A prefill that cannot run in chunks must fit one step: with a paged pool, also when
+        it is recomputed after preemption (prompt and output)."""
+        probe = Request("", prompt_ids, params, 0)
+        num_tokens = len(prompt_ids)
+        if self._may_split(probe):
+            return
+        if self.kv is not None:
+            num_tokens += params.max_tokens - 1
+        if num_tokens > self.max_num_batched_tokens:
             raise RequestError(
                 f"prompt ({len(prompt_ids)} tokens) exceeds max_num_batched_tokens "
                 f"({self.max_num_batched_tokens})"
+                + (" with max_tokens, for penalties or prompt_logprobs" if self.kv else "")
             )
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
@@ -229,42 +245,50 @@ class Scheduler:
 
     def plan(self) -> StepPlan | None:
         step_id = next(self.step_ids)
-        decodes = [
+        active = [
             r
             for r in self.running.values()
-            if not r.is_finished
-            and r.slot is not None
-            and not r.is_preempted
-            and not self._will_surely_finish(r)
+            if not r.is_finished and r.slot is not None and not r.is_preempted
         ]
+        decodes = [
+            r
+            for r in active
+            if r.num_prefilled == len(r.prefill_ids) and not self._will_surely_finish(r)
+        ]
+        budget = self.max_num_batched_tokens  # paged: verify tokens first, then prefill chunks
+        if self.kv is not None:
+            budget -= len(decodes) * (1 + self.k + self.tree_rows)
+        chunks: dict[str, int] = {}  # request id -> end of its chunk this step
+        for r in active:  # prefills under way, oldest first
+            if r.num_prefilled < len(r.prefill_ids):
+                end = self._chunk_end(r, r.num_prefilled, len(chunks), chunks, budget)
+                if end is None:
+                    break
+                chunks[r.request_id] = end
         updates = None
         if self.kv is not None:
             updates = []
-            decodes = self._reserve_blocks(decodes, updates)
-        prefills = []
-        longest = (
-            0  # prefills run padded to the longest prompt: rows x longest is what the step holds
-        )
+            self._reserve_blocks(decodes, chunks, updates)
+            decodes = [r for r in decodes if not r.is_preempted]
+            chunks = {i: end for i, end in chunks.items() if not self.running[i].is_preempted}
+        prefills = [self.running[i] for i in chunks]
+        num_continued = len(prefills)
         while self.waiting and self.free_slots and len(prefills) + len(decodes) < self.num_slots:
             r = self.waiting[0]
-            longest_next = max(longest, len(r.prompt_ids) + len(r.output_ids))
-            if (len(prefills) + 1) * longest_next > self.max_num_batched_tokens:
+            end = self._admit(r, chunks, budget, updates)
+            if end is None:
                 break
-            r.slot = self.free_slots[0]
-            if updates is not None:
-                cached = self.kv.admit(r, r.prompt_ids + r.output_ids, updates, self._may_match(r))
-                if cached is None:
-                    r.slot = None
-                    break
-                r.num_cached_tokens = cached
             self.waiting.popleft()
-            longest = longest_next
-            self.free_slots.pop(0)
             self.running[r.request_id] = r
             prefills.append(r)
+            chunks[r.request_id] = end
         if not prefills and not decodes:
             return None
         rows = prefills + decodes
+        prefill_rows = [
+            self._prefill_row(r, chunks[r.request_id], i < num_continued)
+            for i, r in enumerate(prefills)
+        ]
         for r in rows:
             r.in_flight += 1
             r.last_step = step_id
@@ -279,7 +303,7 @@ class Scheduler:
         )
         plan = StepPlan(
             step_id=step_id,
-            prefills=[self._prefill_row(r) for r in prefills],
+            prefills=prefill_rows,
             decode_slots=[r.slot for r in decodes],
             free_slots=self.slots_to_release,
             kv_len=-(-span // 64) * 64,
@@ -311,34 +335,77 @@ class Scheduler:
         self.rows_of_step[step_id] = [r.request_id for r in rows]
         return plan
 
-    def _prefill_row(self, r: Request) -> PrefillRow:
-        """A resumed (preempted) request recomputes its output too."""
-        stops = self._min_tokens_stops(r)
-        tokens = (r.prompt_ids + r.output_ids)[r.num_cached_tokens :]
-        row = PrefillRow(r.slot, tokens, r.seed, r.params, *stops)
-        row.num_resumed, row.start = len(r.output_ids), r.num_cached_tokens
+    def _prefill_row(self, r: Request, end: int, is_continued: bool) -> PrefillRow:
+        """The chunk [r.num_prefilled, end) of r's prefill, which a resumed (preempted) request's
+        output so far ends; a chunk short of the end emits nothing and continues with the next
+        prefill token."""
+        start, stops = r.num_prefilled, self._min_tokens_stops(r)
+        row = PrefillRow(r.slot, r.prefill_ids[start:end], r.seed, r.params, *stops)
+        row.num_resumed, row.start = len(r.prefill_ids) - len(r.prompt_ids), start
+        row.next_token = r.prefill_ids[end] if end < len(r.prefill_ids) else -1
+        row.is_continued = is_continued
+        r.num_prefilled = end
         return row
 
-    @staticmethod
-    def _may_match(r: Request) -> bool:
-        """Penalties count, and prompt_logprobs score, the whole prompt on the workers."""
+    def _may_split(self, r: Request) -> bool:
+        """Whether r's prefill may start past a cached prefix or run in chunks: penalties count,
+        and prompt_logprobs score, the whole prompt at once on the workers."""
         p = r.params
         penalties = p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1
-        return not penalties and p.prompt_logprobs is None
+        return self.kv is not None and not penalties and p.prompt_logprobs is None
 
-    def _reserve_blocks(self, decodes: list[Request], updates: list) -> list[Request]:
-        """Blocks for every decode's rows in the next step, oldest request first; where the pool
-        runs out, the most recently admitted running request gives its blocks back (preempted:
-        recomputed from its tokens later). -> the decodes still running."""
-        kept = []
-        for r in decodes:
-            missing = self.kv.missing(r, r.in_flight + 1)
+    def _chunk_end(self, r: Request, start: int, num_rows: int, chunks, budget: int) -> int | None:
+        """The end of r's next prefill chunk from `start`, as prefill row num_rows + 1 of a step
+        whose prefill rows (padded to the longest) hold `budget` tokens; None: none fits."""
+        longest = max((end - self.running[i].num_prefilled for i, end in chunks.items()), default=0)
+        take = len(r.prefill_ids) - start
+        if self._may_split(r):
+            take = min(take, budget // (num_rows + 1))
+        if take < 1 or (num_rows + 1) * max(longest, take) > budget:
+            return None
+        return start + take
+
+    def _admit(self, r: Request, chunks: dict, budget: int, updates: list | None) -> int | None:
+        """A slot, the prefix cache's blocks and blocks for its first chunk for the next waiting
+        request. -> the end of that chunk, or None (nothing taken)."""
+        r.slot, r.prefill_ids = self.free_slots[0], r.prompt_ids + r.output_ids
+        r.num_prefilled = r.num_confirmed = 0
+        may_split = self._may_split(r)
+        if may_split:
+            r.num_prefilled = r.num_confirmed = self.kv.match(r, r.prefill_ids, True)
+        end = self._chunk_end(r, r.num_prefilled, len(chunks), chunks, budget)
+        queried = len(r.prefill_ids) if may_split else 0
+        if end is None or (updates is not None and not self.kv.admit(r, end, queried, updates)):
+            if end is None and self.kv is not None:
+                self.kv.manager.release(r.blocks)
+                r.blocks, r.block_hashes = [], []
+            r.slot = None
+            return None
+        self.free_slots.pop(0)
+        return end
+
+    def _reserve_blocks(self, decodes: list[Request], chunks: dict, updates: list) -> None:
+        """Blocks for the rows the next step writes, oldest request first; where the pool runs
+        out, the most recently admitted running request gives its blocks back (preempted:
+        recomputed from its tokens later)."""
+        decode_ids = {r.request_id for r in decodes}
+        for r in list(self.running.values()):
+            if r.is_preempted:
+                continue
+            if r.request_id in decode_ids:
+                missing = self.kv.missing(r, r.in_flight + 1)
+            elif r.request_id in chunks:
+                missing = max(0, self.kv.needed(chunks[r.request_id], 1) - len(r.blocks))
+            else:
+                continue
             while missing > self.kv.manager.num_free and not r.is_preempted:
-                self._preempt(next(v for v in reversed(self.running.values()) if v.blocks))
+                self._preempt(
+                    next(
+                        v for v in reversed(self.running.values()) if v.blocks and not v.is_finished
+                    )
+                )
             if not r.is_preempted:
                 self.kv.grow(r, missing, updates)
-                kept.append(r)
-        return [r for r in kept if not r.is_preempted]
 
     def _preempt(self, r: Request) -> None:
         r.is_preempted = True
@@ -376,7 +443,13 @@ class Scheduler:
             self.stats.num_rows += 1
             if r.is_finished:
                 self.stats.num_extra_rows += 1
+            elif row < num_prefills and plan.prefills[row].next_token >= 0:
+                # a prefill chunk short of the end: computed, nothing emitted
+                p = plan.prefills[row]
+                r.num_confirmed = p.start + len(p.token_ids)
             else:
+                if row < num_prefills:
+                    r.num_confirmed = len(r.prefill_ids)
                 emitted = int(result.num_emitted[row])
                 if row >= num_prefills:
                     self._count_acceptance(r, emitted)

@@ -115,3 +115,29 @@ def test_a_flood_on_a_tiny_pool_finishes_without_leaking(tiny_dir, tiny_drafter_
     assert all(len(r.output_ids) == 20 and r.finish_reason == "length" for r in requests)
     assert_pool_whole(engine)
     assert sorted(engine.scheduler.free_slots) == list(range(8))
+
+
+def test_a_long_prompt_is_chunked_while_a_stream_keeps_going(tiny_dir, tiny_drafter_dir):
+    """A 150-token prompt under a 32-token step budget: it prefills over several steps, each of
+    which also verifies the running request, and both give the unchunked engine's tokens."""
+    (running_prompt,) = tiny_prompts(1, seed=21)
+    (long_prompt,) = tiny_prompts(1, seed=22, min_len=150, max_len=150)
+    stream = SamplingParams(max_tokens=60, ignore_eos=True)
+    ref_engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3)
+    ref = [r.output_ids for r in run_to_completion(ref_engine, [running_prompt, long_prompt],
+                                                   [stream, GREEDY], [0, 3])]  # fmt: skip
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, max_num_batched_tokens=32)
+    plans, plan = [], engine.scheduler.plan
+    engine.scheduler.plan = lambda: plans.append(plan()) or plans[-1]
+    running = engine.add_request(running_prompt, stream)
+    for _ in range(3):
+        engine.step()
+    late = engine.add_request(long_prompt, GREEDY)
+    while engine.has_work:
+        engine.step()
+    assert [running.output_ids, late.output_ids] == ref
+    chunked = [p for p in plans if p is not None and any(r.next_token >= 0 for r in p.prefills)]
+    assert len(chunked) >= 4
+    # every one of those steps verifies the running request too, within the budget
+    assert all(len(p.decode_slots) == 1 for p in chunked)
+    assert all(sum(len(r.token_ids) for r in p.prefills) + 4 <= 32 for p in chunked)

@@ -120,7 +120,8 @@ class ModelRunner:
         for slot in plan.free_slots:
             self.resources.free(slot)
         for row in plan.prefills:
-            self.resources.allocate(row.slot)
+            if not row.is_continued:
+                self.resources.allocate(row.slot)
         self.resources.check_allocated(plan.decode_slots)
         inputs = prepare_inputs(plan, self.device)
         start_event = None
@@ -171,19 +172,19 @@ class ModelRunner:
         self.state.admit(plan, inp)
         graphs = self.graphs.prefill
         logprobs = prompt = None
-        # rows that continue a cached prefix run eagerly (the graphs start at position 0)
+        # chunks that start past 0 or end short of the prompt run eagerly
         kv_len = max(p.start + len(p.token_ids) for p in plan.prefills)
-        if graphs is not None and plan.graphable and kv_len == T and graphs.fits(B, T):
+        whole = kv_len == T and all(p.next_token < 0 for p in plan.prefills)
+        if graphs is not None and plan.graphable and whole and graphs.fits(B, T):
             out = graphs(slots, lens, ids, kv_len=T)
         else:
-            starts = inp["prefill_starts"]
-            out, logprobs, prompt = self._prefill_eager(plan, slots, lens, ids, kv_len, starts)
+            out, logprobs, prompt = self._prefill_eager(plan, slots, lens, ids, kv_len, inp)
         if self.drafter is not None:
             seed = DraftSeed(slots, out[1], inp["prefill_starts"] + lens - 1, out[2])
         else:
             seed = None
         tokens = F.pad(out[0].unsqueeze(1), (0, self.K))
-        emitted = torch.ones(B, dtype=torch.long, device=self.device)
+        emitted = (inp["prefill_next"] < 0).long()  # a chunk short of the end emits nothing
         if plan.use_penalties:
             self.state.count_outputs(slots, tokens[:, :1], emitted.unsqueeze(1).bool())
         return tokens, emitted, logprobs, seed, prompt
@@ -208,13 +209,16 @@ class ModelRunner:
         token = self.target.logits(hidden[rows, lens - 1]).argmax(-1)
         return self._after_prefill(ids, lens, token, batch, features)
 
-    def _prefill_eager(self, plan: StepPlan, slots, lens, ids, kv_len: int, starts):
+    def _prefill_eager(self, plan: StepPlan, slots, lens, ids, kv_len: int, inp: dict):
+        starts = inp["prefill_starts"]
         hidden, batch, features = self._prefill_pass(slots, lens, ids, kv_len, starts)
         rows = torch.arange(ids.shape[0], device=self.device)
         logits = self.target.logits(hidden[rows, lens - 1].unsqueeze(1))  # [B, 1, V]
         ends = starts + lens  # the chosen token's position
         processed = process_logits(plan, self.state, logits, slots, ends.unsqueeze(1))
         token = sample_one(plan, self.state, processed, slots, ends)
+        # a chunk short of the prompt's end continues with the prompt's next token
+        token = torch.where(inp["prefill_next"] < 0, token, inp["prefill_next"])
         logprobs = prompt = None
         if plan.num_logprobs is not None:  # padded to K+1 columns, like the tokens
             chosen, top_ids, top_values = token_logprobs(logits, token[:, None], plan.num_logprobs)
