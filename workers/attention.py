@@ -67,6 +67,19 @@ def use_gqa(
     return tokens == 1 or tokens >= 64 or batch_size * heads <= _num_sms(device)
 
 
+def hidden_keys(batch: ForwardBatch) -> torch.Tensor:
+    """[B, T, S]: which of the kv_len keys each token may not see (the chain's causal mask, or
+    the draft tree's)."""
+    T = batch.positions.shape[1]
+    key_pos = torch.arange(batch.kv_len, device=batch.positions.device)
+    if batch.tree is None:
+        return key_pos.view(1, 1, -1) > batch.positions.unsqueeze(-1)
+    node = key_pos.view(1, -1) - batch.write_positions[:, :1]  # [B, S] key row's node
+    in_tree = (node >= 0) & (node < T)
+    sees = batch.tree[:, node.clamp(0, T - 1)].transpose(0, 1)  # [B, T, S]
+    return (node >= 0).unsqueeze(1) & ~(sees & in_tree.unsqueeze(1))
+
+
 def attention_inputs(
     batch: ForwardBatch, attn: "CachedAttention", dtype: torch.dtype, gqa: bool | None = None
 ) -> AttentionInputs:
@@ -75,16 +88,9 @@ def attention_inputs(
     device = batch.positions.device
     if gqa is None:
         gqa = use_gqa(device, dtype, B, T, attn.heads, attn.head_dim)
-    key_pos = torch.arange(batch.kv_len, device=device)
-    if batch.tree is None:
-        hidden_keys = key_pos.view(1, 1, -1) > batch.positions.unsqueeze(-1)  # [B, T, S]
-    else:
-        node = key_pos.view(1, -1) - batch.write_positions[:, :1]  # [B, S] key row's node
-        in_tree = (node >= 0) & (node < T)
-        sees = batch.tree[:, node.clamp(0, T - 1)].transpose(0, 1)  # [B, T, S]
-        hidden_keys = (node >= 0).unsqueeze(1) & ~(sees & in_tree.unsqueeze(1))
-    bias = torch.zeros(hidden_keys.shape, dtype=dtype, device=device).masked_fill_(
-        hidden_keys, float("-inf")
+    hidden = hidden_keys(batch)
+    bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(
+        hidden, float("-inf")
     )
     bias = bias.unsqueeze(1)  # [B, 1, T, S]
     if not gqa:
