@@ -1,6 +1,7 @@
 """The Triton paged-attention kernel, run by Triton's interpreter on CPU, against the reference
 path (the blocks gathered in order, SDPA under the same mask) for random block tables, lengths,
-GQA groups, query tokens per row (prefill chunks, the verify pass) and draft-tree masks."""
+GQA groups, query tokens per row (prefill chunks, the verify pass) and draft-tree masks. On a
+GPU machine, TRITON_INTERPRET=0 runs the compiled kernel on CUDA instead."""
 
 import os
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton's decorators run
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's decorators run
 pytest.importorskip("triton")
+DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
 
 from speculative.draft_tree import tree_layout  # noqa: E402
 from workers.attention import hidden_keys  # noqa: E402
@@ -19,7 +21,8 @@ from workers.paged_attention import paged_attention  # noqa: E402
 
 def reference(q: torch.Tensor, pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     kv = read_kv(pool, batch)  # [2, B, KV, S, D]
-    bias = torch.zeros(hidden_keys(batch).shape).masked_fill_(hidden_keys(batch), float("-inf"))
+    hidden = hidden_keys(batch)
+    bias = torch.zeros(hidden.shape, device=q.device).masked_fill_(hidden, float("-inf"))
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), kv[0], kv[1], attn_mask=bias.unsqueeze(1), enable_gqa=True
     )
@@ -39,12 +42,12 @@ def random_batch(g, B, T, heads, kv_heads, D, block_size, tree=None):
     positions = base.unsqueeze(1) + (columns if tree is None else tree[0])
     write_positions = base.unsqueeze(1) + columns
     kv_len = max_blocks * block_size
-    batch = ForwardBatch(
-        torch.arange(B), positions, write_positions, write_positions, write_positions,
-        table, kv_len, None if tree is None else tree[1],
-    )  # fmt: skip
+    tree_mask = None if tree is None else tree[1].to(DEVICE)
+    batch = ForwardBatch(*(x.to(DEVICE) for x in (
+        torch.arange(B), positions, write_positions, write_positions, write_positions, table
+    )), kv_len, tree_mask)  # fmt: skip
     q = torch.randn(B, T, heads, D, generator=g)
-    return q, pool, batch
+    return q.to(DEVICE), pool.to(DEVICE), batch
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (9, 3), (8, 1)])
@@ -77,7 +80,7 @@ def test_rows_read_only_their_own_blocks():
     g = torch.Generator().manual_seed(3)
     q, pool, batch = random_batch(g, 3, 2, 4, 2, 16, 16)
     before = paged_attention(q, pool, batch)
-    unused = torch.ones(pool.shape[1], dtype=torch.bool)
+    unused = torch.ones(pool.shape[1], dtype=torch.bool, device=pool.device)
     unused[batch.block_table.flatten()] = False
     pool[:, unused] = float("nan")
     torch.testing.assert_close(paged_attention(q, pool, batch), before)

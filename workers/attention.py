@@ -35,8 +35,21 @@ class AttentionInputs:
 
     cos: torch.Tensor
     sin: torch.Tensor
-    bias: torch.Tensor
+    bias: torch.Tensor | None  # None: the paged kernel masks as it reads
     gqa: bool
+
+
+@functools.cache
+def use_paged_kernel(device: torch.device) -> bool:
+    """The Triton kernel over the block table (workers/paged_attention.py) on CUDA, unless
+    EAGLESERVE_PAGED_ATTENTION=0; elsewhere the reference: gather the blocks, then SDPA."""
+    if device.type != "cuda" or os.environ.get("EAGLESERVE_PAGED_ATTENTION") == "0":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @functools.cache
@@ -88,6 +101,8 @@ def attention_inputs(
     device = batch.positions.device
     if gqa is None:
         gqa = use_gqa(device, dtype, B, T, attn.heads, attn.head_dim)
+    if use_paged_kernel(device):  # the kernel masks as it reads
+        return AttentionInputs(cos, sin, None, gqa)
     hidden = hidden_keys(batch)
     bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(
         hidden, float("-inf")
@@ -139,6 +154,11 @@ class CachedAttention(nn.Module):
         qkv = self.qkv_proj(x).view(B, T, H + 2 * KV, D)
         qk = self.rotary.apply(qkv[:, :, : H + KV], inputs.cos, inputs.sin)
         write_kv(self.cache, batch, qk[:, :, H:], qkv[:, :, H + KV :])
+        if use_paged_kernel(x.device):
+            from workers.paged_attention import paged_attention
+
+            out = paged_attention(qk[:, :, :H], self.cache, batch)  # [B, T, H, D]
+            return self.o_proj(out.reshape(B, T, H * D))
         kv = read_kv(self.cache, batch)  # [2, B, KV, S, D]
         if inputs.gqa:
             out = F.scaled_dot_product_attention(
