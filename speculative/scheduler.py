@@ -236,6 +236,19 @@ class Scheduler:
     def num_running(self) -> int:
         return sum(not r.is_finished for r in self.running.values())
 
+    def metrics(self) -> dict[str, float]:
+        """vLLM's scheduler metrics, by their names (deployments/metrics.py adds our prefix);
+        prefix-cache queries and hits count tokens, usage is the fraction of blocks in use."""
+        manager = self.kv.manager if self.kv is not None else None
+        return {
+            "num_requests_running": self.num_running,
+            "num_requests_waiting": self.num_waiting,
+            "kv_cache_usage_perc": manager.usage if manager else 0.0,
+            "prefix_cache_queries_total": manager.stats.num_queried_tokens if manager else 0,
+            "prefix_cache_hits_total": manager.stats.num_hit_tokens if manager else 0,
+            "num_preemptions_total": self.stats.num_preemptions,
+        }
+
     # ---- planning ----
 
     def _will_surely_finish(self, r: Request) -> bool:

@@ -141,3 +141,33 @@ def test_a_long_prompt_is_chunked_while_a_stream_keeps_going(tiny_dir, tiny_draf
     # every one of those steps verifies the running request too, within the budget
     assert all(len(p.decode_slots) == 1 for p in chunked)
     assert all(sum(len(r.token_ids) for r in p.prefills) + 4 <= 32 for p in chunked)
+
+
+def test_scheduler_metrics_follow_the_pool(tiny_dir, prompts):
+    """vLLM's metric names: running and waiting requests, the pool's usage, prefix-cache
+    queries and hits in tokens, preemptions; rendered with our prefix."""
+    from deployments.metrics import Metrics
+
+    engine = tiny_engine(tiny_dir, max_batch_size=2)
+    for p in prompts[:3]:
+        engine.add_request(p, GREEDY)
+    engine.step()
+    busy = engine.scheduler.metrics()
+    assert busy["num_requests_running"] == 2 and busy["num_requests_waiting"] == 1
+    assert 0 < busy["kv_cache_usage_perc"] <= 1
+    while engine.has_work:
+        engine.step()
+    done = engine.scheduler.metrics()
+    assert done["num_requests_running"] == 0 and done["kv_cache_usage_perc"] == 0
+    assert done["prefix_cache_queries_total"] == sum(map(len, prompts[:3]))
+    assert done["prefix_cache_hits_total"] == 32  # the third found the shared prefix
+    assert done["num_preemptions_total"] == 0
+    engine_stats = {
+        "draft_proposed": 0, "draft_accepted": 0, "num_verify_rows": 0, "num_running": 0,
+        "num_waiting": 0, "healthy": True, "num_steps": 0, "num_extra_rows": 0,
+        "accepted_at": [], "scheduler": done,
+    }  # fmt: skip
+    text = Metrics().render(engine_stats)
+    assert "# TYPE eagleserve_prefix_cache_hits_total counter" in text
+    assert "eagleserve_prefix_cache_hits_total 32\n" in text
+    assert "# TYPE eagleserve_kv_cache_usage_perc gauge" in text
