@@ -29,11 +29,12 @@ class SamplingParams(BaseModel):
     min_tokens: int = Field(
         0, ge=0
     )  # vLLM's: no EOS, stop token or stop string ends the output before this many
-    # OpenAI's: logits -= frequency_penalty * count + presence_penalty * (count > 0), over the output so far
+    # OpenAI's: logits -= frequency_penalty * count + presence_penalty * (count > 0), over the
+    # output so far
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    # vLLM's (and Hugging Face's): the logits of tokens in the prompt or the output so far are divided
-    # by it where positive, multiplied where negative; before the two above. 1: off
+    # vLLM's (and Hugging Face's): the logits of tokens in the prompt or the output so far are
+    # divided by it where positive, multiplied where negative; before the two above. 1: off
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     # OpenAI's: added to the logits of these token ids
     logit_bias: dict[int, LogitBiasValue] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
@@ -51,7 +52,8 @@ class SamplingParams(BaseModel):
     @field_validator("temperature")
     @classmethod
     def _tiny_is_greedy(cls, t: float) -> float:
-        # below 1e-5 sampling is the argmax anyway, and logits / T overflow float32 (NaN probabilities)
+        # below 1e-5 sampling is the argmax anyway, and logits / T overflow float32 (NaN
+        # probabilities)
         return 0.0 if t < GREEDY_BELOW else t
 
     @model_validator(mode="after")

@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The tensor-parallel group failed (a worker died or a step failed); requests in it are lost."""
+    """The tensor-parallel group failed (a worker died or a step failed); requests in it are
+    lost."""
 
 
 @dataclass

@@ -46,8 +46,8 @@ class StepPlan:
 
     @property
     def graphable(self) -> bool:
-        """Greedy, without log-probabilities, penalties, biases or min_tokens: the CUDA graphs' form (the
-        others replay only the target pass's graph and verify eagerly)."""
+        """Greedy, without log-probabilities, penalties, biases or min_tokens: the CUDA graphs'
+        form (the others replay only the target pass's graph and verify eagerly)."""
         return (
             self.all_greedy
             and self.num_logprobs is None
@@ -80,5 +80,6 @@ class StepResult:
     top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
     # with plan.num_prompt_logprobs, per prefill row and prompt position t: prompt token t's
-    # log-probability after tokens < t [prefills, T], and the top ones [prefills, T, num_prompt_logprobs]
+    # log-probability after tokens < t [prefills, T], and the top ones
+    # [prefills, T, num_prompt_logprobs]
     prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None

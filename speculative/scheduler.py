@@ -66,7 +66,8 @@ class RequestOutput:
     text_delta: str
     finish_reason: str | None
     acceptance_length: float = 1.0  # the request's mean so far
-    # with params.logprobs, per new token: (its log-probability, [(id, log-probability)] of the top ones)
+    # with params.logprobs, per new token: (its log-probability, [(id, log-probability)] of the
+    # top ones)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = (
         None  # the prompt's tokens 1.., once
@@ -201,8 +202,9 @@ class Scheduler:
             request_id, list(prompt_ids), params, seed, stops_after=None if params.min_tokens else 0
         )
         if params.prior_output_tokens and self.tokenizer is not None:
-            # a resumed request's text goes on from its earlier output's: a stop string may span the
-            # two, and what the failed engine held back (a possible stop string's start) is sent from here
+            # a resumed request's text goes on from its earlier output's: a stop string may span
+            # the two, and what the failed engine held back (a possible stop string's start) is
+            # sent from here
             request.text = self.tokenizer.decode(self._text_ids(request), skip_special_tokens=True)
             request.num_sent = min(params.prior_text_sent, len(request.text))
             request.read_offset = params.prior_output_tokens
@@ -433,8 +435,9 @@ class Scheduler:
         self.waiting.appendleft(r)
 
     def _min_tokens_stops(self, r: Request) -> tuple[int, list[int]]:
-        """(the first position at which EOS and stop tokens may be emitted, those tokens) for min_tokens,
-        which counts the tokens this request generates, as max_tokens does (a resumed one's are left)."""
+        """(the first position at which EOS and stop tokens may be emitted, those tokens) for
+        min_tokens, which counts the tokens this request generates, as max_tokens does (a resumed
+        one's are left)."""
         if not r.params.min_tokens:
             return 0, []
         # EOS too with ignore_eos, as vLLM's
@@ -534,7 +537,8 @@ class Scheduler:
 
     @staticmethod
     def _text_ids(r: Request) -> list[int]:
-        """The tokens of the request's text: its output, after the earlier output of a resumed request."""
+        """The tokens of the request's text: its output, after the earlier output of a resumed
+        request."""
         prior = r.params.prior_output_tokens
         return r.prompt_ids[len(r.prompt_ids) - prior :] + r.output_ids if prior else r.output_ids
 
@@ -558,8 +562,9 @@ class Scheduler:
         return min(hits) if hits else None
 
     def _detokenize(self, r: Request) -> str:
-        """The text the new tokens add, decoding only a few tokens of context before them (a whole
-        re-decode each step costs ~27 us per 128 tokens, per request, on the coordinator's thread)."""
+        """The text the new tokens add, decoding only a few tokens of context before them (a
+        whole re-decode each step costs ~27 us per 128 tokens, per request, on the coordinator's
+        thread)."""
         tokens = self._text_ids(r)
         context = self.tokenizer.decode(
             tokens[r.prefix_offset : r.read_offset], skip_special_tokens=True
@@ -578,7 +583,8 @@ class Scheduler:
         if at is not None:
             text = text[:at]
         r.text = text
-        # what may be the start of a stop string is held back until later tokens complete or refute it
+        # what may be the start of a stop string is held back until later tokens complete or
+        # refute it
         end = len(text) if r.is_finished else len(text) - self._partial_stop(r, text)
         delta = text[r.num_sent : end]
         r.num_sent = max(r.num_sent, end)

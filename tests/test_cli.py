@@ -32,7 +32,8 @@ def prompts_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def outputs(prompts_file):
-    """Default drafter (speculative), the same with a draft tree, and --drafter none, same prompts, greedy."""
+    """Default drafter (speculative), the same with a draft tree, and --drafter none, same
+    prompts, greedy."""
     out = {}
     for name, flags in (
         ("default", []),
@@ -118,7 +119,8 @@ def test_bad_input_exits_with_a_message(tmp_path, case, content, args, message):
 
 def test_bench_writes_table_and_json(tmp_path):
     """`eagleserve bench` on CPU through the Ray path: one row per (mode, siblings, overlap, batch),
-    tokens from both engines, speculative rows that accept drafts, a plot; no NVML figure without a GPU."""
+    tokens from both engines, speculative rows that accept drafts, a plot; no NVML figure without
+    a GPU."""
     out = tmp_path / "bench.json"
     proc = eagleserve(
         "bench",
@@ -190,7 +192,8 @@ def test_bench_refuses_bad_arguments(args, message):
 
 
 def test_gpu_utilization_is_the_busiest_gpus_mean(monkeypatch):
-    """The NVML poller averages each GPU's utilization over the polls and reports the busiest GPU."""
+    """The NVML poller averages each GPU's utilization over the polls and reports the busiest
+    GPU."""
     import types
 
     from deployments.bench import GpuUtilization

@@ -105,7 +105,8 @@ def test_sse_wire_format_ends_with_done(base_url):
     assert all(e.startswith("data: ") for e in events)
     chunks = [json.loads(e[6:]) for e in events[:-1]]
     assert chunks[0]["object"] == "text_completion"
-    # with include_usage, every chunk has "usage": null but the last, which has the counts and no choices
+    # with include_usage, every chunk has "usage": null but the last, which has the counts and no
+    # choices
     assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
     assert chunks[-1]["usage"]["completion_tokens"] == 8 and chunks[-1]["choices"] == []
 
@@ -122,8 +123,8 @@ def test_completions(client):
 
 
 def test_n_choices_are_seeded_requests(client, alone):
-    """Choice i of a seeded request is the request with seed + i; streamed, the choices interleave by
-    index and equal the non-streamed ones. (top_k keeps the draws off the float32 noise of the
+    """Choice i of a seeded request is the request with seed + i; streamed, the choices interleave
+    by index and equal the non-streamed ones. (top_k keeps the draws off the float32 noise of the
     distribution's tail, which changes with the batch's shape.)"""
     kw = dict(
         model=MODEL,
@@ -224,7 +225,8 @@ def test_logprob_tokens_keep_their_bytes():
         len(b"".join(data[:i]).decode(errors="ignore")) for i in range(len(ids))
     ]
     assert body["text_offset"][-1] == len(text) and body["tokens"] == [e["token"] for e in content]
-    # every token the text leaves out takes no room (<file_sep> is special, though not in all_special_ids);
+    # every token the text leaves out takes no room (<file_sep> is special, though not in
+    # all_special_ids);
     # in an echoed prompt, given as text, each takes its own
     ids = tokenizer.encode("<file_sep>def f(): return 1", add_special_tokens=False)
     shown = tokenizer.decode(ids, skip_special_tokens=True)
@@ -239,8 +241,8 @@ def test_logprob_tokens_keep_their_bytes():
 
 
 def test_echo_returns_the_prompt_and_its_logprobs(client):
-    """echo (as lm-eval's loglikelihood requests use it): the prompt before the completion, its tokens'
-    log-probabilities (the first has none) before the completion's, streamed alike."""
+    """echo (as lm-eval's loglikelihood requests use it): the prompt before the completion, its
+    tokens' log-probabilities (the first has none) before the completion's, streamed alike."""
     prompt, kw = (
         "The capital of France is",
         dict(model=MODEL, max_tokens=3, temperature=0, logprobs=2),
@@ -306,9 +308,9 @@ def test_tokenize_detokenize_and_stop_token_ids(base_url, client, alone):
 
 
 def test_sampling_options_reach_the_engine(client, base_url, alone):
-    """A frequency or repetition penalty changes a greedy answer that repeats tokens, a logit_bias of
-    -100 on its first token changes how it begins, and min_p 1 makes sampling greedy (exactness:
-    test_lossless)."""
+    """A frequency or repetition penalty changes a greedy answer that repeats tokens, a
+    logit_bias of -100 on its first token changes how it begins, and min_p 1 makes sampling
+    greedy (exactness: test_lossless)."""
     question = "Count to five."
     penalised = (
         chat(client, question, max_tokens=24, frequency_penalty=2.0).choices[0].message.content

@@ -31,7 +31,8 @@ from workers.rotary import Rotary
 @dataclass
 class AttentionInputs:
     """What every layer of one forward shares: RoPE tables [B, T, 1, D] and the additive mask,
-    [B, 1, T, S] for GQA or [B, 1, T * group, S] folded (a row per token and query head of a group)."""
+    [B, 1, T, S] for GQA or [B, 1, T * group, S] folded (a row per token and query head of a
+    group)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -104,9 +105,7 @@ def attention_inputs(
     if use_paged_kernel(device):  # the kernel masks as it reads
         return AttentionInputs(cos, sin, None, gqa)
     hidden = hidden_keys(batch)
-    bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(
-        hidden, float("-inf")
-    )
+    bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
     bias = bias.unsqueeze(1)  # [B, 1, T, S]
     if not gqa:
         group = attn.heads // attn.kv_heads

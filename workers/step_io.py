@@ -126,7 +126,8 @@ def send_back(
     event = None
     if cuda:
         # blocking: the sender thread sleeps until the copy is done. A spinning wait (the default)
-        # slows every kernel launch of the next step in the main thread by 3-4x (measured on the H200).
+        # slows every kernel launch of the next step in the main thread by 3-4x (measured on the
+        # H200).
         event = torch.cuda.Event(enable_timing=True, blocking=True)
         event.record()
     return StepOutput(

@@ -31,8 +31,9 @@ class StepFailed(RuntimeError):
 
 def step_profiler():
     """With EAGLESERVE_TORCH_PROFILER_DIR set (like vLLM's VLLM_TORCH_PROFILER_DIR), rank 0 profiles
-    steps EAGLESERVE_PROFILE_FIRST_STEP.. (20 of them) with torch.profiler: a chrome trace and a table of host
-    ops per worker process, to see where a step's launch time goes on the real serving path."""
+    steps EAGLESERVE_PROFILE_FIRST_STEP.. (20 of them) with torch.profiler: a chrome trace and a
+    table of host ops per worker process, to see where a step's launch time goes on the real
+    serving path."""
     out = os.environ.get("EAGLESERVE_TORCH_PROFILER_DIR")
     if not out:
         return None
