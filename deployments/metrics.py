@@ -73,6 +73,9 @@ class Metrics:
         }
         for name, value in counters.items():
             lines += [f"# TYPE eagleserve_{name} counter", f"eagleserve_{name} {value}"]
+        for name, value in engine.get("scheduler", {}).items():  # vLLM's names, our prefix
+            kind = "counter" if name.endswith("_total") else "gauge"
+            lines += [f"# TYPE eagleserve_{name} {kind}", f"eagleserve_{name} {value}"]
         lines.append("# TYPE eagleserve_acceptance_rate gauge")
         for position, n in enumerate(engine["accepted_at"]):
             rate = n / verify_rows if verify_rows else 0.0

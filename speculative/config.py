@@ -79,6 +79,11 @@ class EngineConfig(BaseModel):
     max_model_len: int = Field(2048, ge=16)  # prompt + output tokens per request
     max_num_batched_tokens: int = Field(4096, ge=16)  # prefill tokens per step
     memory_budget_gb: float | None = Field(None, gt=0)  # caps max_batch_size by KV cache size
+    # the paged KV pool (workers/kv_cache.py): its size (default: max_batch_size requests at full
+    # length), tokens per block, and whether full blocks of earlier requests are reused
+    kv_cache_memory_gb: float | None = Field(None, gt=0)
+    kv_block_size: int = Field(16, ge=16, le=1024, multiple_of=16)
+    enable_prefix_caching: bool = True
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     tp: int = Field(1, ge=1)
@@ -95,12 +100,6 @@ class EngineConfig(BaseModel):
     seed: int = Field(
         0, ge=0, le=2**40
     )  # seeds requests that bring none (seed * 1000003 + n fits int64)
-
-    @model_validator(mode="after")
-    def _check(self):
-        if self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError("max_num_batched_tokens must be at least max_model_len")
-        return self
 
     @property
     def speculative(self) -> bool:

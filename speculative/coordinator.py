@@ -107,6 +107,7 @@ class Coordinator:
             "draft_accepted": s.num_draft_accepted,
             "accepted_at": list(s.accepted_at),
             "healthy": self.error is None,
+            "scheduler": self.engine.scheduler.metrics(),
         }
 
     def step_age_s(self) -> float:

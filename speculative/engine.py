@@ -5,6 +5,7 @@ import itertools
 import logging
 from collections import deque
 
+from speculative.block_manager import BlockManager
 from speculative.config import EngineConfig, SamplingParams
 from speculative.scheduler import Request, RequestOutput, Scheduler
 
@@ -63,6 +64,12 @@ class LLMEngine:
             cfg.seed,
             vocab_size=model_config.get("vocab_size"),
             tree_rows=cfg.k * cfg.draft_siblings,
+            # prompt lookup reads a request's whole prompt from the workers' history
+            blocks=BlockManager(
+                executor.num_blocks,
+                executor.block_size,
+                cfg.enable_prefix_caching and not cfg.prompt_lookup,
+            ),
         )
         self.in_flight = deque()  # (plan, handle), oldest first
         self.overlap = cfg.overlap  # may be switched between runs (benchmarks)

@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The tensor-parallel group failed (a worker died or a step failed); requests in it are lost."""
+    """The tensor-parallel group failed (a worker died or a step failed); requests in it are
+    lost."""
 
 
 @dataclass
@@ -104,6 +105,7 @@ class RayExecutor:
         )
         self.num_slots = infos[0]["num_slots"]
         self.max_model_len = infos[0]["max_model_len"]
+        self.num_blocks, self.block_size = infos[0]["num_blocks"], infos[0]["block_size"]
         self.plans = []
         for addr in plan_addrs:
             sock = self.ctx.socket(zmq.PUSH)

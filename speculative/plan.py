@@ -17,6 +17,11 @@ class PrefillRow:
     params: SamplingParams
     stops_from: int = 0  # min_tokens: the first position at which EOS and stop tokens may come
     stop_ids: list[int] = field(default_factory=list)  # ... those tokens (with min_tokens only)
+    # a request resumed after preemption: its earlier output, at the end of token_ids
+    num_resumed: int = 0
+    start: int = 0  # position of token_ids[0]: the K/V before it is cached or computed
+    next_token: int = -1  # a chunk short of the prefill's end: the token after it (else -1)
+    is_continued: bool = False  # a later chunk of a prefill that an earlier step began
 
 
 @dataclass
@@ -35,6 +40,9 @@ class StepPlan:
     use_logit_bias: bool = False  # some row has a logit_bias
     use_min_tokens: bool = False  # some row may still be short of its min_tokens
     num_prompt_logprobs: int | None = None  # some prefill wants its prompt's log-probabilities
+    # the paged KV pool's block-table changes, (slot, index, block) each, applied after the
+    # prefills' rows are reset; None: a hand-built plan over the contiguous per-slot layout
+    block_updates: list[tuple[int, int, int]] | None = None
 
     @property
     def graphable(self) -> bool:

@@ -46,11 +46,12 @@ class Proposer:
         draft_ids = ids.roll(-1, dims=1).index_put((rows, lens - 1), token)
         h = self.drafter(draft_ids, features, batch, from_features=True)
         last = h[rows, lens - 1]
+        end = batch.positions[rows, lens - 1]  # the prompt's last position
         self.state.record(slots, batch.positions, ids)
-        # after the prompt: it overwrites the padding at lens
-        self.state.record(slots, lens.unsqueeze(1), token.unsqueeze(1))
-        first = self.propose(last, slots, lens - 1, depth=0)
-        return DraftSeed(slots, last, lens - 1, first)
+        # after the prompt: it overwrites the padding
+        self.state.record(slots, (end + 1).unsqueeze(1), token.unsqueeze(1))
+        first = self.propose(last, slots, end, depth=0)
+        return DraftSeed(slots, last, end, first)
 
     def after_verify(self, slots, tokens, emitted, base, path, kv_len: int, T: int):
         """The first draft forward over the accepted + 1 tokens of each row (tokens [B, K+1],

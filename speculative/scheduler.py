@@ -10,6 +10,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+from speculative.block_manager import BlockManager, RequestBlocks
 from speculative.config import MAX_STOP_IDS, SamplingParams
 from speculative.plan import PrefillRow, StepPlan, StepResult
 
@@ -41,6 +42,14 @@ class Request:
     )
     # a resumed request's earlier output, min_tokens' (None until then)
     ends_with_stop_token: bool = False  # the last output token is the EOS or stop token
+    blocks: list[int] = field(default_factory=list)  # its KV blocks, in position order
+    block_hashes: list[int] = field(default_factory=list)  # of its full blocks, once cached
+    is_preempted: bool = False  # its blocks are given back; requeued once no step holds it
+    # its prefill at its (last) admission: prompt, and a resumed one's output so far; how many
+    # of those tokens steps were planned for (the prefix cache's first), and computed
+    prefill_ids: list[int] = field(default_factory=list)
+    num_prefilled: int = 0
+    num_confirmed: int = 0
 
     @property
     def is_finished(self) -> bool:
@@ -58,7 +67,8 @@ class RequestOutput:
     text_delta: str
     finish_reason: str | None
     acceptance_length: float = 1.0  # the request's mean so far
-    # with params.logprobs, per new token: (its log-probability, [(id, log-probability)] of the top ones)
+    # with params.logprobs, per new token: (its log-probability, [(id, log-probability)] of the
+    # top ones)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = (
         None  # the prompt's tokens 1.., once
@@ -73,6 +83,7 @@ class StepStats:
     num_draft_proposed: int = 0
     num_draft_accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # per draft position
+    num_preemptions: int = 0
 
 
 def _logprobs(arrays: tuple | None, row: int, columns, n: int | None) -> list | None:
@@ -102,6 +113,7 @@ class Scheduler:
         seed: int = 0,
         vocab_size: int | None = None,
         tree_rows: int = 0,
+        blocks: BlockManager | None = None,
     ):
         self.num_slots, self.max_model_len, self.k = num_slots, max_model_len, k
         self.tree_rows = (
@@ -121,6 +133,8 @@ class Scheduler:
         self.seeds = itertools.count(seed * 1_000_003 + 1)
         self.stats = StepStats(accepted_at=[0] * k)
         self.rows_of_step: dict[int, list[str]] = {}  # request id of each result row, per step
+        # the paged KV pool's blocks; None: plans over the workers' contiguous per-slot caches
+        self.kv = RequestBlocks(blocks, k, tree_rows, max_model_len) if blocks else None
 
     # ---- admission ----
 
@@ -156,10 +170,28 @@ class Scheduler:
             raise RequestError("prior_output_tokens exceeds the prompt")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer and this model directory has none")
-        if len(prompt_ids) > self.max_num_batched_tokens:
+        if self.kv is not None and not self.kv.fits_ever(len(prompt_ids) + params.max_tokens):
+            pool = self.kv.manager
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) can never "
+                f"fit the KV cache pool of {pool.num_blocks} blocks x {pool.block_size} tokens"
+            )
+        self._check_budget(prompt_ids, params)
+
+    def _check_budget(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """A prefill that cannot run in chunks must fit one step: with a paged pool, also when
+        it is recomputed after preemption (prompt and output)."""
+        probe = Request("", prompt_ids, params, 0)
+        num_tokens = len(prompt_ids)
+        if self._may_split(probe):
+            return
+        if self.kv is not None:
+            num_tokens += params.max_tokens - 1
+        if num_tokens > self.max_num_batched_tokens:
             raise RequestError(
                 f"prompt ({len(prompt_ids)} tokens) exceeds max_num_batched_tokens "
                 f"({self.max_num_batched_tokens})"
+                + (" with max_tokens, for penalties or prompt_logprobs" if self.kv else "")
             )
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
@@ -171,8 +203,9 @@ class Scheduler:
             request_id, list(prompt_ids), params, seed, stops_after=None if params.min_tokens else 0
         )
         if params.prior_output_tokens and self.tokenizer is not None:
-            # a resumed request's text goes on from its earlier output's: a stop string may span the
-            # two, and what the failed engine held back (a possible stop string's start) is sent from here
+            # a resumed request's text goes on from its earlier output's: a stop string may span
+            # the two, and what the failed engine held back (a possible stop string's start) is
+            # sent from here
             request.text = self.tokenizer.decode(self._text_ids(request), skip_special_tokens=True)
             request.num_sent = min(params.prior_text_sent, len(request.text))
             request.read_offset = params.prior_output_tokens
@@ -206,6 +239,19 @@ class Scheduler:
     def num_running(self) -> int:
         return sum(not r.is_finished for r in self.running.values())
 
+    def metrics(self) -> dict[str, float]:
+        """vLLM's scheduler metrics, by their names (deployments/metrics.py adds our prefix);
+        prefix-cache queries and hits count tokens, usage is the fraction of blocks in use."""
+        manager = self.kv.manager if self.kv is not None else None
+        return {
+            "num_requests_running": self.num_running,
+            "num_requests_waiting": self.num_waiting,
+            "kv_cache_usage_perc": manager.usage if manager else 0.0,
+            "prefix_cache_queries_total": manager.stats.num_queried_tokens if manager else 0,
+            "prefix_cache_hits_total": manager.stats.num_hit_tokens if manager else 0,
+            "num_preemptions_total": self.stats.num_preemptions,
+        }
+
     # ---- planning ----
 
     def _will_surely_finish(self, r: Request) -> bool:
@@ -215,27 +261,50 @@ class Scheduler:
 
     def plan(self) -> StepPlan | None:
         step_id = next(self.step_ids)
-        decodes = [
+        active = [
             r
             for r in self.running.values()
-            if not r.is_finished and r.slot is not None and not self._will_surely_finish(r)
+            if not r.is_finished and r.slot is not None and not r.is_preempted
         ]
-        prefills = []
-        longest = (
-            0  # prefills run padded to the longest prompt: rows x longest is what the step holds
-        )
+        decodes = [
+            r
+            for r in active
+            if r.num_prefilled == len(r.prefill_ids) and not self._will_surely_finish(r)
+        ]
+        budget = self.max_num_batched_tokens  # paged: verify tokens first, then prefill chunks
+        if self.kv is not None:
+            budget -= len(decodes) * (1 + self.k + self.tree_rows)
+        chunks: dict[str, int] = {}  # request id -> end of its chunk this step
+        for r in active:  # prefills under way, oldest first
+            if r.num_prefilled < len(r.prefill_ids):
+                end = self._chunk_end(r, r.num_prefilled, len(chunks), chunks, budget)
+                if end is None:
+                    break
+                chunks[r.request_id] = end
+        updates = None
+        if self.kv is not None:
+            updates = []
+            self._reserve_blocks(decodes, chunks, updates)
+            decodes = [r for r in decodes if not r.is_preempted]
+            chunks = {i: end for i, end in chunks.items() if not self.running[i].is_preempted}
+        prefills = [self.running[i] for i in chunks]
+        num_continued = len(prefills)
         while self.waiting and self.free_slots and len(prefills) + len(decodes) < self.num_slots:
-            longest_next = max(longest, len(self.waiting[0].prompt_ids))
-            if (len(prefills) + 1) * longest_next > self.max_num_batched_tokens:
+            r = self.waiting[0]
+            end = self._admit(r, chunks, budget, updates)
+            if end is None:
                 break
-            r = self.waiting.popleft()
-            longest = longest_next
-            r.slot = self.free_slots.pop(0)
+            self.waiting.popleft()
             self.running[r.request_id] = r
             prefills.append(r)
+            chunks[r.request_id] = end
         if not prefills and not decodes:
             return None
         rows = prefills + decodes
+        prefill_rows = [
+            self._prefill_row(r, chunks[r.request_id], i < num_continued)
+            for i, r in enumerate(prefills)
+        ]
         for r in rows:
             r.in_flight += 1
             r.last_step = step_id
@@ -250,10 +319,7 @@ class Scheduler:
         )
         plan = StepPlan(
             step_id=step_id,
-            prefills=[
-                PrefillRow(r.slot, r.prompt_ids, r.seed, r.params, *self._min_tokens_stops(r))
-                for r in prefills
-            ],
+            prefills=prefill_rows,
             decode_slots=[r.slot for r in decodes],
             free_slots=self.slots_to_release,
             kv_len=-(-span // 64) * 64,
@@ -280,13 +346,99 @@ class Scheduler:
                 default=None,
             ),
         )
+        plan.block_updates = updates
         self.slots_to_release = []
         self.rows_of_step[step_id] = [r.request_id for r in rows]
         return plan
 
+    def _prefill_row(self, r: Request, end: int, is_continued: bool) -> PrefillRow:
+        """The chunk [r.num_prefilled, end) of r's prefill, which a resumed (preempted) request's
+        output so far ends; a chunk short of the end emits nothing and continues with the next
+        prefill token."""
+        start, stops = r.num_prefilled, self._min_tokens_stops(r)
+        row = PrefillRow(r.slot, r.prefill_ids[start:end], r.seed, r.params, *stops)
+        row.num_resumed, row.start = len(r.prefill_ids) - len(r.prompt_ids), start
+        row.next_token = r.prefill_ids[end] if end < len(r.prefill_ids) else -1
+        row.is_continued = is_continued
+        r.num_prefilled = end
+        return row
+
+    def _may_split(self, r: Request) -> bool:
+        """Whether r's prefill may start past a cached prefix or run in chunks: penalties count,
+        and prompt_logprobs score, the whole prompt at once on the workers."""
+        p = r.params
+        penalties = p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1
+        return self.kv is not None and not penalties and p.prompt_logprobs is None
+
+    def _chunk_end(self, r: Request, start: int, num_rows: int, chunks, budget: int) -> int | None:
+        """The end of r's next prefill chunk from `start`, as prefill row num_rows + 1 of a step
+        whose prefill rows (padded to the longest) hold `budget` tokens; None: none fits."""
+        longest = max((end - self.running[i].num_prefilled for i, end in chunks.items()), default=0)
+        take = len(r.prefill_ids) - start
+        if self._may_split(r):
+            take = min(take, budget // (num_rows + 1))
+        if take < 1 or (num_rows + 1) * max(longest, take) > budget:
+            return None
+        return start + take
+
+    def _admit(self, r: Request, chunks: dict, budget: int, updates: list | None) -> int | None:
+        """A slot, the prefix cache's blocks and blocks for its first chunk for the next waiting
+        request. -> the end of that chunk, or None (nothing taken)."""
+        r.slot, r.prefill_ids = self.free_slots[0], r.prompt_ids + r.output_ids
+        r.num_prefilled = r.num_confirmed = 0
+        may_split = self._may_split(r)
+        if may_split:
+            r.num_prefilled = r.num_confirmed = self.kv.match(r, r.prefill_ids, True)
+        end = self._chunk_end(r, r.num_prefilled, len(chunks), chunks, budget)
+        queried = len(r.prefill_ids) if may_split else 0
+        if end is None or (updates is not None and not self.kv.admit(r, end, queried, updates)):
+            if end is None and self.kv is not None:
+                self.kv.manager.release(r.blocks)
+                r.blocks, r.block_hashes = [], []
+            r.slot = None
+            return None
+        self.free_slots.pop(0)
+        return end
+
+    def _reserve_blocks(self, decodes: list[Request], chunks: dict, updates: list) -> None:
+        """Blocks for the rows the next step writes, oldest request first; where the pool runs
+        out, the most recently admitted running request gives its blocks back (preempted:
+        recomputed from its tokens later)."""
+        decode_ids = {r.request_id for r in decodes}
+        for r in list(self.running.values()):
+            if r.is_preempted:
+                continue
+            if r.request_id in decode_ids:
+                missing = self.kv.missing(r, r.in_flight + 1)
+            elif r.request_id in chunks:
+                missing = max(0, self.kv.needed(chunks[r.request_id], 1) - len(r.blocks))
+            else:
+                continue
+            while missing > self.kv.manager.num_free and not r.is_preempted:
+                self._preempt(
+                    next(
+                        v for v in reversed(self.running.values()) if v.blocks and not v.is_finished
+                    )
+                )
+            if not r.is_preempted:
+                self.kv.grow(r, missing, updates)
+
+    def _preempt(self, r: Request) -> None:
+        r.is_preempted = True
+        self.kv.free(r)
+        self.stats.num_preemptions += 1
+        if r.in_flight == 0:
+            self._requeue(r)
+
+    def _requeue(self, r: Request) -> None:
+        self._release(r)
+        r.is_preempted = False
+        self.waiting.appendleft(r)
+
     def _min_tokens_stops(self, r: Request) -> tuple[int, list[int]]:
-        """(the first position at which EOS and stop tokens may be emitted, those tokens) for min_tokens,
-        which counts the tokens this request generates, as max_tokens does (a resumed one's are left)."""
+        """(the first position at which EOS and stop tokens may be emitted, those tokens) for
+        min_tokens, which counts the tokens this request generates, as max_tokens does (a resumed
+        one's are left)."""
         if not r.params.min_tokens:
             return 0, []
         # EOS too with ignore_eos, as vLLM's
@@ -308,7 +460,13 @@ class Scheduler:
             self.stats.num_rows += 1
             if r.is_finished:
                 self.stats.num_extra_rows += 1
+            elif row < num_prefills and plan.prefills[row].next_token >= 0:
+                # a prefill chunk short of the end: computed, nothing emitted
+                p = plan.prefills[row]
+                r.num_confirmed = p.start + len(p.token_ids)
             else:
+                if row < num_prefills:
+                    r.num_confirmed = len(r.prefill_ids)
                 emitted = int(result.num_emitted[row])
                 if row >= num_prefills:
                     self._count_acceptance(r, emitted)
@@ -319,7 +477,7 @@ class Scheduler:
                     r.params.logprobs,
                 )
                 outputs.append(self._append(r, result.tokens[row, :emitted].tolist(), logprobs))
-                if row < num_prefills:
+                if row < num_prefills and not plan.prefills[row].num_resumed:
                     outputs[-1].prompt_logprobs = _logprobs(
                         result.prompt_logprobs,
                         row,
@@ -330,6 +488,10 @@ class Scheduler:
                 r.is_finished and r.in_flight == 0 and r.slot is not None
             ):  # _finish may have released it
                 self._release(r)
+            elif r.is_preempted and r.in_flight == 0:
+                self._requeue(r)
+            elif self.kv is not None and not r.is_finished:
+                self.kv.confirm(r)
         return outputs
 
     def _count_acceptance(self, r: Request, emitted: int) -> None:
@@ -405,8 +567,9 @@ class Scheduler:
         return min(hits) if hits else None
 
     def _detokenize(self, r: Request) -> str:
-        """The text the new tokens add, decoding only a few tokens of context before them (a whole
-        re-decode each step costs ~27 us per 128 tokens, per request, on the coordinator's thread)."""
+        """The text the new tokens add, decoding only a few tokens of context before them (a
+        whole re-decode each step costs ~27 us per 128 tokens, per request, on the coordinator's
+        thread)."""
         tokens = self._text_ids(r)
         context = self.tokenizer.decode(
             tokens[r.prefix_offset : r.read_offset], skip_special_tokens=True
@@ -425,7 +588,8 @@ class Scheduler:
         if at is not None:
             text = text[:at]
         r.text = text
-        # what may be the start of a stop string is held back until later tokens complete or refute it
+        # what may be the start of a stop string is held back until later tokens complete or
+        # refute it
         end = len(text) if r.is_finished else len(text) - self._partial_stop(r, text)
         delta = text[r.num_sent : end]
         r.num_sent = max(r.num_sent, end)
@@ -445,6 +609,8 @@ class Scheduler:
             self._release(r)
 
     def _release(self, r: Request) -> None:
+        if self.kv is not None:
+            self.kv.free(r)
         self.free_slots.append(r.slot)
         self.slots_to_release.append(r.slot)
         r.slot = None

@@ -98,8 +98,8 @@ def test_drafter_none_is_plain_and_identical(outputs):
         (
             "max-model-len",
             '{"prompt": "hi"}\n',
-            ["--max-model-len", 5000],
-            r"invalid setting: engine config: .*max_num_batched_tokens",
+            ["--max-model-len", 8],
+            r"invalid setting: max_model_len: .*greater than or equal to 16",
         ),
         (
             "tp-drafter",

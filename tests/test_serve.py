@@ -636,9 +636,15 @@ def test_health_and_metrics(base_url):
         "eagleserve_draft_tokens_accepted_total",
         "eagleserve_mean_acceptance_length",
         'eagleserve_acceptance_rate{position="1"}',
+        "eagleserve_num_requests_running",
+        "eagleserve_num_requests_waiting",
+        "eagleserve_kv_cache_usage_perc",
+        "eagleserve_prefix_cache_hits_total",
+        "eagleserve_num_preemptions_total",
     ):
         assert name in stats, name
     assert stats["eagleserve_completion_tokens_total"] > 0
+    assert stats["eagleserve_prefix_cache_queries_total"] > 0
     assert stats["eagleserve_draft_tokens_proposed_total"] > 0
 
 

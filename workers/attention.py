@@ -36,8 +36,23 @@ class AttentionInputs:
 
     cos: torch.Tensor
     sin: torch.Tensor
-    bias: torch.Tensor
+    bias: torch.Tensor | None  # None: the paged kernel masks as it reads
     gqa: bool
+
+
+@functools.cache
+def use_paged_kernel(device: torch.device) -> bool:
+    """The Triton kernel over the block table (workers/paged_attention.py), on CUDA with
+    EAGLESERVE_PAGED_ATTENTION=1 (opt-in until a GPU run has checked it in the engine: it is
+    checked against the reference under Triton's interpreter only); otherwise the reference:
+    gather the blocks, then SDPA."""
+    if device.type != "cuda" or os.environ.get("EAGLESERVE_PAGED_ATTENTION") != "1":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @functools.cache
@@ -68,6 +83,19 @@ def use_gqa(
     return tokens == 1 or tokens >= 64 or batch_size * heads <= _num_sms(device)
 
 
+def hidden_keys(batch: ForwardBatch) -> torch.Tensor:
+    """[B, T, S]: which of the kv_len keys each token may not see (the chain's causal mask, or
+    the draft tree's)."""
+    T = batch.positions.shape[1]
+    key_pos = torch.arange(batch.kv_len, device=batch.positions.device)
+    if batch.tree is None:
+        return key_pos.view(1, 1, -1) > batch.positions.unsqueeze(-1)
+    node = key_pos.view(1, -1) - batch.write_positions[:, :1]  # [B, S] key row's node
+    in_tree = (node >= 0) & (node < T)
+    sees = batch.tree[:, node.clamp(0, T - 1)].transpose(0, 1)  # [B, T, S]
+    return (node >= 0).unsqueeze(1) & ~(sees & in_tree.unsqueeze(1))
+
+
 def attention_inputs(
     batch: ForwardBatch, attn: "CachedAttention", dtype: torch.dtype, gqa: bool | None = None
 ) -> AttentionInputs:
@@ -76,17 +104,10 @@ def attention_inputs(
     device = batch.positions.device
     if gqa is None:
         gqa = use_gqa(device, dtype, B, T, attn.heads, attn.head_dim)
-    key_pos = torch.arange(batch.kv_len, device=device)
-    if batch.tree is None:
-        hidden_keys = key_pos.view(1, 1, -1) > batch.positions.unsqueeze(-1)  # [B, T, S]
-    else:
-        node = key_pos.view(1, -1) - batch.write_positions[:, :1]  # [B, S] key row's node
-        in_tree = (node >= 0) & (node < T)
-        sees = batch.tree[:, node.clamp(0, T - 1)].transpose(0, 1)  # [B, T, S]
-        hidden_keys = (node >= 0).unsqueeze(1) & ~(sees & in_tree.unsqueeze(1))
-    bias = torch.zeros(hidden_keys.shape, dtype=dtype, device=device).masked_fill_(
-        hidden_keys, float("-inf")
-    )
+    if use_paged_kernel(device):  # the kernel masks as it reads
+        return AttentionInputs(cos, sin, None, gqa)
+    hidden = hidden_keys(batch)
+    bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
     bias = bias.unsqueeze(1)  # [B, 1, T, S]
     if not gqa:
         group = attn.heads // attn.kv_heads
@@ -155,6 +176,11 @@ class CachedAttention(nn.Module):
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         qk, v = self.rotated_qkv(x, inputs.cos, inputs.sin)
         write_kv(self.cache, batch, qk[:, :, H:], v)
+        if use_paged_kernel(x.device):
+            from workers.paged_attention import paged_attention
+
+            out = paged_attention(qk[:, :, :H], self.cache, batch)  # [B, T, H, D]
+            return self.o_proj(out.reshape(B, T, H * D))
         kv = read_kv(self.cache, batch)  # [2, B, KV, S, D]
         if inputs.gqa:
             out = F.scaled_dot_product_attention(

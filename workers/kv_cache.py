@@ -1,8 +1,13 @@
-"""KV caches of the target and the drafter: sizing, allocation, and addressing their rows.
+"""KV caches of the target and the drafter: a paged pool of fixed-size blocks, sizing, and
+addressing their rows.
 
-Layout per layer: [2 (k, v), num_slots + 1, cache_len, kv_heads, head_dim]; the last slot is a
-dummy that padding tokens write into. A token at position p is written at row p of its slot, so
-a rejected draft costs nothing: its row is simply overwritten by the next token at p."""
+Layout per layer: [2 (k, v), num_blocks + 1, block_size, kv_heads, head_dim]; the last block is a
+dummy that padding tokens (and rows past a request's blocks) write into. block_table[slot, i] is
+the block holding positions i * block_size.. of the request in that slot; the scheduler's block
+manager (speculative/block_manager.py) decides it and each plan carries the changes. A token at
+position p is written at row p of its request, so a rejected draft costs nothing: its row is
+simply overwritten by the next token at p. Without block updates in the plans (plans built by
+hand), slot s owns blocks s * max_blocks.. as a contiguous per-slot cache."""
 
 import logging
 from dataclasses import dataclass
@@ -16,11 +21,13 @@ log = logging.getLogger(__name__)
 class ForwardBatch:
     """Per-forward metadata (device tensors, except kv_len). B rows, T tokens per row."""
 
-    slots: torch.Tensor  # [B] cache slot of each row
+    slots: torch.Tensor  # [B] request slot of each row
     positions: torch.Tensor  # [B, T] position of each token (pads: any valid position)
-    write_slots: torch.Tensor  # [B, T] slot to write K/V into (pads: the dummy slot)
-    write_positions: torch.Tensor  # [B, T] row to write into, clamped to the cache length
-    kv_len: int  # cache rows read per slot (>= every position + 1)
+    write_positions: torch.Tensor  # [B, T] row of its request each token's K/V goes to
+    write_blocks: torch.Tensor  # [B, T] the block it is in (pads: the dummy block)
+    write_offsets: torch.Tensor  # [B, T] the row within that block
+    block_table: torch.Tensor  # [B, kv_len // block_size] blocks each row reads
+    kv_len: int  # rows read per request (>= every position + 1)
     # a draft tree (speculative/draft_tree.py): token i of a row is node i, written at row
     # write_positions[:, 0] + i, and sees the cache before the root and the nodes tree[i] marks
     tree: torch.Tensor | None = None  # [T, T] bool
@@ -42,18 +49,12 @@ class KVShape:
         return 2 * self.num_layers * self.kv_heads * self.head_dim * dtype.itemsize
 
 
-def allocate_kv_cache(
-    num_layers: int,
-    num_slots: int,
-    max_len: int,
-    kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device,
+def allocate_pool(
+    shape: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype, device
 ) -> torch.Tensor:
-    # [layers, 2 (k, v), slots + dummy, max_len, kv_heads, head_dim]
-    shape = (num_layers, 2, num_slots + 1, max_len, kv_heads, head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    # [layers, 2 (k, v), blocks + dummy, block_size, kv_heads, head_dim]
+    size = (shape.num_layers, 2, num_blocks + 1, block_size, shape.kv_heads, shape.head_dim)
+    return torch.zeros(size, dtype=dtype, device=device)
 
 
 def slots_that_fit(max_batch_size: int, budget_gb: float | None, per_slot_bytes: int) -> int:
@@ -69,52 +70,75 @@ def slots_that_fit(max_batch_size: int, budget_gb: float | None, per_slot_bytes:
     return min(max_batch_size, fits)
 
 
-def write_kv(cache: torch.Tensor, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
-    """k, v [B, T, kv_heads, D] into one layer's cache at the batch's write rows."""
-    where = (batch.write_slots, batch.write_positions)
-    cache[0].index_put_(where, k)
-    cache[1].index_put_(where, v)
+def blocks_that_fit(pool_gb: float | None, per_block_bytes: int, default: int) -> int:
+    """Pool blocks: what kv_cache_memory_gb holds, or `default` (every slot at full length)."""
+    if pool_gb is None:
+        return default
+    fits = int(pool_gb * 2**30 // per_block_bytes)
+    if fits < 1:
+        raise ValueError(
+            f"kv_cache_memory_gb={pool_gb} holds no KV block "
+            f"({per_block_bytes / 2**10:.1f} KiB per block)"
+        )
+    return fits
 
 
-def read_kv(cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """The rows a batch reads from one layer's cache: [2, B, kv_heads, kv_len, D]."""
-    return cache[:, batch.slots, : batch.kv_len].transpose(2, 3)
+def write_kv(pool: torch.Tensor, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k, v [B, T, kv_heads, D] into one layer's pool at the batch's write rows."""
+    where = (batch.write_blocks, batch.write_offsets)
+    pool[0].index_put_(where, k)
+    pool[1].index_put_(where, v)
+
+
+def read_kv(pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """The rows a batch reads from one layer's pool, its blocks gathered in order:
+    [2, B, kv_heads, kv_len, D]."""
+    blocks = pool[:, batch.block_table]  # [2, B, kv_len // bs, bs, kv_heads, D]
+    two, B, n, bs, kv_heads, D = blocks.shape
+    return blocks.view(two, B, n * bs, kv_heads, D).transpose(2, 3)
 
 
 class KVCache:
-    """The target's KV cache and the drafter's (one layer), slot by slot, with the dummy slot."""
+    """The target's KV pool and the drafter's (one layer) behind one block table, with the dummy
+    slot (whose blocks are all the dummy block) and the dummy block."""
 
-    def __init__(
-        self,
-        target: KVShape,
-        drafter: KVShape | None,
-        num_slots: int,
-        cache_len: int,
-        dtype: torch.dtype,
-        device,
-    ):
-        self.num_slots, self.cache_len = num_slots, cache_len
-        self.dummy_slot = num_slots  # padding rows of a batch write here
+    def __init__(self, target: KVShape, drafter: KVShape | None, num_slots: int, cache_len: int,
+                 num_blocks: int, block_size: int, dtype: torch.dtype, device):  # fmt: skip
+        if block_size % 16:
+            raise ValueError(f"kv_block_size ({block_size}) must be a multiple of 16")
+        self.num_slots, self.block_size, self.num_blocks = num_slots, block_size, num_blocks
+        self.max_blocks = -(-cache_len // block_size)  # per request
+        self.cache_len = self.max_blocks * block_size
+        self.dummy_slot, self.dummy_block = num_slots, num_blocks
         self.device = device
-
-        def allocate(shape: KVShape) -> torch.Tensor:
-            return allocate_kv_cache(
-                shape.num_layers, num_slots, cache_len, shape.kv_heads, shape.head_dim,
-                dtype, device,
-            )  # fmt: skip
-
-        self.target = allocate(target)
-        self.drafter = allocate(drafter) if drafter is not None else None
+        self.target = allocate_pool(target, num_blocks, block_size, dtype, device)
+        self.drafter = None
+        if drafter is not None:
+            self.drafter = allocate_pool(drafter, num_blocks, block_size, dtype, device)
+        # [slots + 1, max_blocks]; the contiguous per-slot layout where the pool holds it
+        self.block_table = torch.full(
+            (num_slots + 1, self.max_blocks), self.dummy_block, dtype=torch.long, device=device
+        )
+        if num_blocks >= num_slots * self.max_blocks:
+            contiguous = torch.arange(num_slots * self.max_blocks, device=device)
+            self.block_table[:num_slots] = contiguous.view(num_slots, self.max_blocks)
 
     @classmethod
     def for_models(cls, target, drafter, tp: int, cfg, cache_len: int, dtype, device):
-        """Caches for a rank's target and drafter (or None), as many slots as `cfg` allows."""
+        """Pools for a rank's target and drafter (or None): as many slots as `cfg` allows, as
+        many blocks as kv_cache_memory_gb holds (default: every slot at full length)."""
         target_kv = KVShape.of(target.cfg, tp, target.cfg.num_hidden_layers)
         drafter_kv = KVShape.of(drafter.cfg, tp, 1) if drafter is not None else None
         per_token = sum(s.bytes_per_token(dtype) for s in (target_kv, drafter_kv) if s)
-        per_slot = per_token * cache_len
+        block_size = cfg.kv_block_size
+        max_blocks = -(-cache_len // block_size)
+        per_slot = per_token * max_blocks * block_size
         num_slots = slots_that_fit(cfg.max_batch_size, cfg.memory_budget_gb, per_slot)
-        kv = cls(target_kv, drafter_kv, num_slots, cache_len, dtype, device)
+        num_blocks = blocks_that_fit(
+            cfg.kv_cache_memory_gb, per_token * block_size, num_slots * max_blocks
+        )
+        kv = cls(target_kv, drafter_kv, num_slots, cache_len, num_blocks, block_size, dtype,
+                 device)  # fmt: skip
         kv.bind(target.attention_modules(), drafter.midlayer.self_attn if drafter else None)
         return kv
 
@@ -136,26 +160,43 @@ class KVCache:
         )
 
     def bind(self, target_attention: list, drafter_attention=None) -> None:
-        """Hand each attention module its layer's cache."""
-        for attn, cache in zip(target_attention, self.target, strict=True):
-            attn.cache = cache
+        """Hand each attention module its layer's pool."""
+        for attn, pool in zip(target_attention, self.target, strict=True):
+            attn.cache = pool
         if drafter_attention is not None:
             drafter_attention.cache = self.drafter[0]
 
+    def update_tables(self, new_slots, where, blocks) -> None:
+        """Before a step: the rows of newly admitted slots new_slots [N] reset to the dummy
+        block, then block_table[where] = blocks (where: ([U] slots, [U] indices), blocks [U])."""
+        self.block_table.index_fill_(0, new_slots, self.dummy_block)
+        self.block_table.index_put_(where, blocks)
+
+    def _locate(self, slots, rows):
+        """slots [B] or [B, T] (broadcast), rows [B, T] -> (block, row within it) [B, T]."""
+        rows = rows.clamp(max=self.cache_len - 1)
+        slots = slots.unsqueeze(1).expand_as(rows) if slots.dim() == 1 else slots
+        blocks = self.block_table[slots, rows // self.block_size]
+        return blocks, rows % self.block_size
+
     def batch(self, slots, positions, valid, kv_len, rows=None, tree=None) -> ForwardBatch:
         """slots [B], positions and valid [B, T] -> a ForwardBatch; rows [B, T]: where to write
-        each token's K/V (default: at its position); invalid tokens write to the dummy slot."""
-        # rows read per slot: a multiple of 16 (the memory-efficient attention kernel's mask
-        # alignment), within the cache
-        kv_len = min(-(-kv_len // 16) * 16, self.cache_len)
-        write_slots = torch.where(valid, slots.unsqueeze(1), self.dummy_slot)
+        each token's K/V (default: at its position); invalid tokens write to the dummy block."""
+        # rows read per request: whole blocks (a multiple of 16: the memory-efficient
+        # attention kernel's mask alignment), within the cache
+        bs = self.block_size
+        kv_len = min(-(-kv_len // bs) * bs, self.cache_len)
         positions = positions.clamp(max=self.cache_len - 1)
         rows = positions if rows is None else rows.clamp(max=self.cache_len - 1)
-        return ForwardBatch(slots, positions, write_slots, rows, kv_len, tree)
+        blocks, offsets = self._locate(slots, rows)
+        blocks = torch.where(valid, blocks, self.dummy_block)
+        table = self.block_table[slots, : kv_len // bs]
+        return ForwardBatch(slots, positions, rows, blocks, offsets, table, kv_len, tree)
 
     def move_target_rows(self, slots, into_slots, from_rows, to_rows) -> None:
-        """In every target layer, row from_rows [B] of each slot to row to_rows [B] of
-        into_slots [B] (the dummy slot where nothing should move)."""
-        end = self.cache_len - 1
-        source = self.target[:, :, slots, from_rows.clamp(max=end)]
-        self.target[:, :, into_slots, to_rows.clamp(max=end)] = source
+        """In every target layer, row from_rows [B] of each slot's request to row to_rows [B] of
+        into_slots' [B] (the dummy slot where nothing should move)."""
+        from_blocks, from_offsets = self._locate(slots, from_rows.unsqueeze(1))
+        to_blocks, to_offsets = self._locate(into_slots, to_rows.unsqueeze(1))
+        source = self.target[:, :, from_blocks[:, 0], from_offsets[:, 0]]
+        self.target[:, :, to_blocks[:, 0], to_offsets[:, 0]] = source

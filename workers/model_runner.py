@@ -62,6 +62,7 @@ class ModelRunner:
         # room for K+1 tokens past the last real one, twice (a step in flight may overrun a
         # finished request), and for the verify pass's siblings past the chain
         cache_len = self.max_model_len + 2 * (self.K + 1) + self.K * self.M + 1
+        cache_len = -(-cache_len // cfg.kv_block_size) * cfg.kv_block_size  # whole blocks
         self.target, self.drafter = load_models(
             cfg, self.target_cfg, model_dir, group, self.device, self.dtype, cache_len
         )
@@ -84,7 +85,8 @@ class ModelRunner:
     def _allocate(self, cache_len: int) -> None:
         cfg, tc, drafter, dev = self.cfg, self.target_cfg, self.drafter, self.device
         self.kv = KVCache.for_models(self.target, drafter, self.tp, cfg, cache_len, self.dtype, dev)
-        self.num_slots = self.kv.num_slots
+        self.num_slots, self.num_blocks = self.kv.num_slots, self.kv.num_blocks
+        self.block_size = self.kv.block_size
         self.resources = Eagle3ResourceManager(
             self.num_slots,
             max(cfg.max_num_batched_tokens, self.num_slots * self.T),
@@ -101,13 +103,18 @@ class ModelRunner:
         if drafter is not None:
             parts = (self.state, self.resources, self.kv)
             self.proposer = Proposer(drafter, *parts, self.K, self.M, cfg.prompt_lookup)
+        num_tokens = self.num_blocks * self.block_size
         log.info(
-            "rank %d: %d request slots x %d tokens; KV cache %.1f MiB (target + drafter), "
-            "Eagle3 resource manager %.1f MiB",
+            "rank %d: KV pool of %d blocks x %d tokens = %d tokens, %.1f MiB (target + drafter): "
+            "%.2f requests at max_model_len %d; %d request slots; Eagle3 resource manager %.1f MiB",
             self.rank,
-            self.num_slots,
-            cache_len,
+            self.num_blocks,
+            self.block_size,
+            num_tokens,
             self.kv.nbytes / 2**20,
+            num_tokens / self.max_model_len,
+            self.max_model_len,
+            self.num_slots,
             self.resources.nbytes / 2**20,
         )
 
@@ -119,7 +126,8 @@ class ModelRunner:
         for slot in plan.free_slots:
             self.resources.free(slot)
         for row in plan.prefills:
-            self.resources.allocate(row.slot)
+            if not row.is_continued:
+                self.resources.allocate(row.slot)
         self.resources.check_allocated(plan.decode_slots)
         inputs = prepare_inputs(plan, self.device)
         start_event = None
@@ -139,6 +147,9 @@ class ModelRunner:
         log-probabilities (`token_logprobs`, each [rows, K+1, ...]) and with
         plan.num_prompt_logprobs the prefills' prompts' ones."""
         self.state.allocate_for(plan)
+        if plan.block_updates is not None:
+            where = (inputs["block_slots"], inputs["block_index"])
+            self.kv.update_tables(inputs["new_slots"], where, inputs["block_ids"])
         parts, seeds, prompt = [], [], None
         if plan.prefills:
             *part, seed, prompt = self._prefill(plan, inputs)
@@ -167,23 +178,31 @@ class ModelRunner:
         self.state.admit(plan, inp)
         graphs = self.graphs.prefill
         logprobs = prompt = None
-        if graphs is not None and plan.graphable and graphs.fits(B, T):
+        # chunks that start past 0 or end short of the prompt run eagerly
+        kv_len = max(p.start + len(p.token_ids) for p in plan.prefills)
+        whole = kv_len == T and all(p.next_token < 0 for p in plan.prefills)
+        if graphs is not None and plan.graphable and whole and graphs.fits(B, T):
             out = graphs(slots, lens, ids, kv_len=T)
         else:
-            out, logprobs, prompt = self._prefill_eager(plan, slots, lens, ids, kv_len=T)
-        seed = DraftSeed(slots, out[1], lens - 1, out[2]) if self.drafter is not None else None
+            out, logprobs, prompt = self._prefill_eager(plan, slots, lens, ids, kv_len, inp)
+        if self.drafter is not None:
+            seed = DraftSeed(slots, out[1], inp["prefill_starts"] + lens - 1, out[2])
+        else:
+            seed = None
         tokens = F.pad(out[0].unsqueeze(1), (0, self.K))
-        emitted = torch.ones(B, dtype=torch.long, device=self.device)
+        emitted = (inp["prefill_next"] < 0).long()  # a chunk short of the end emits nothing
         if plan.use_penalties:
             self.state.count_outputs(slots, tokens[:, :1], emitted.unsqueeze(1).bool())
         return tokens, emitted, logprobs, seed, prompt
 
-    def _prefill_pass(self, slots, lens, ids, kv_len: int):
-        """The target over whole prompts ids [B, T], padded past lens [B]. -> final hidden
-        states [B, T, H], the forward's batch, the captured features [B, T, 3H]."""
+    def _prefill_pass(self, slots, lens, ids, kv_len: int, starts=None):
+        """The target over prompts ids [B, T], padded past lens [B], from positions starts [B]
+        (None: 0). -> final hidden states [B, T, H], the forward's batch, the captured features
+        [B, T, 3H]."""
         B, T = ids.shape
-        positions = torch.arange(T, device=self.device).expand(B, T)
-        batch = self.kv.batch(slots, positions, positions < lens.unsqueeze(1), kv_len)
+        columns = torch.arange(T, device=self.device).expand(B, T)
+        positions = columns if starts is None else columns + starts.unsqueeze(1)
+        batch = self.kv.batch(slots, positions, columns < lens.unsqueeze(1), kv_len)
         features = self.resources.feature_view(B, T)
         hidden, _ = self.target(ids, batch, features)
         return hidden, batch, features
@@ -196,12 +215,16 @@ class ModelRunner:
         token = self.target.logits(hidden[rows, lens - 1]).argmax(-1)
         return self._after_prefill(ids, lens, token, batch, features)
 
-    def _prefill_eager(self, plan: StepPlan, slots, lens, ids, kv_len: int):
-        hidden, batch, features = self._prefill_pass(slots, lens, ids, kv_len)
+    def _prefill_eager(self, plan: StepPlan, slots, lens, ids, kv_len: int, inp: dict):
+        starts = inp["prefill_starts"]
+        hidden, batch, features = self._prefill_pass(slots, lens, ids, kv_len, starts)
         rows = torch.arange(ids.shape[0], device=self.device)
         logits = self.target.logits(hidden[rows, lens - 1].unsqueeze(1))  # [B, 1, V]
-        processed = process_logits(plan, self.state, logits, slots, lens.unsqueeze(1))
-        token = sample_one(plan, self.state, processed, slots, lens)
+        ends = starts + lens  # the chosen token's position
+        processed = process_logits(plan, self.state, logits, slots, ends.unsqueeze(1))
+        token = sample_one(plan, self.state, processed, slots, ends)
+        # a chunk short of the prompt's end continues with the prompt's next token
+        token = torch.where(inp["prefill_next"] < 0, token, inp["prefill_next"])
         logprobs = prompt = None
         if plan.num_logprobs is not None:  # padded to K+1 columns, like the tokens
             chosen, top_ids, top_values = token_logprobs(logits, token[:, None], plan.num_logprobs)
@@ -213,7 +236,8 @@ class ModelRunner:
         return out, logprobs, prompt
 
     def _after_prefill(self, ids, lens, token, batch, features) -> tuple:
-        self.state.advance(batch.slots, token, lens)
+        rows = torch.arange(ids.shape[0], device=self.device)
+        self.state.advance(batch.slots, token, batch.positions[rows, lens - 1] + 1)
         if self.proposer is None:
             return (token,)
         seed = self.proposer.from_prompt(ids, lens, token, features, batch)

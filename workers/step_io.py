@@ -57,6 +57,11 @@ def prepare_inputs(plan: StepPlan, device: torch.device) -> dict[str, torch.Tens
     host = {"decode_slots": torch.tensor(plan.decode_slots, dtype=torch.long)}
     if plan.prefills:
         host |= _prefill_inputs(plan)
+    if plan.block_updates is not None:
+        new_slots = [p.slot for p in plan.prefills if not p.is_continued]
+        host["new_slots"] = torch.tensor(new_slots, dtype=torch.long)
+        updates = torch.tensor(plan.block_updates, dtype=torch.long).view(-1, 3)
+        host["block_slots"], host["block_index"], host["block_ids"] = updates.unbind(1)
     pin = device.type == "cuda"
     return {
         k: (v.pin_memory() if pin else v).to(device, non_blocking=True) for k, v in host.items()
@@ -73,8 +78,12 @@ def _prefill_inputs(plan: StepPlan) -> dict[str, torch.Tensor]:
         "prefill_ids": ids,
         "prefill_lens": torch.tensor([len(p.token_ids) for p in rows]),
         "prefill_slots": torch.tensor([p.slot for p in rows]),
+        "prefill_starts": torch.tensor([p.start for p in rows]),
+        "prefill_next": torch.tensor([p.next_token for p in rows]),
         "prefill_seeds": torch.tensor([p.seed for p in rows]),
-        "prefill_prior_output_tokens": torch.tensor([p.params.prior_output_tokens for p in rows]),
+        "prefill_prior_output_tokens": torch.tensor(
+            [p.params.prior_output_tokens + p.num_resumed for p in rows]
+        ),
     }
     for name, dtype, _ in SAMPLING_FIELDS:
         host[f"prefill_{name}"] = torch.tensor([getattr(p.params, name) for p in rows], dtype=dtype)

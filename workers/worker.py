@@ -31,8 +31,9 @@ class StepFailed(RuntimeError):
 
 def step_profiler():
     """With EAGLESERVE_TORCH_PROFILER_DIR set (like vLLM's VLLM_TORCH_PROFILER_DIR), rank 0 profiles
-    steps EAGLESERVE_PROFILE_FIRST_STEP.. (20 of them) with torch.profiler: a chrome trace and a table of host
-    ops per worker process, to see where a step's launch time goes on the real serving path."""
+    steps EAGLESERVE_PROFILE_FIRST_STEP.. (20 of them) with torch.profiler: a chrome trace and a
+    table of host ops per worker process, to see where a step's launch time goes on the real
+    serving path."""
     out = os.environ.get("EAGLESERVE_TORCH_PROFILER_DIR")
     if not out:
         return None
@@ -108,7 +109,13 @@ class TPWorker:
         if self.rank == 0:
             self.results = self.ctx.socket(zmq.PUSH)
             self.results.connect(result_addr)
-        return {"num_slots": self.runner.num_slots, "max_model_len": self.runner.max_model_len}
+        runner = self.runner
+        return {
+            "num_slots": runner.num_slots,
+            "max_model_len": runner.max_model_len,
+            "num_blocks": runner.num_blocks,
+            "block_size": runner.block_size,
+        }
 
     def ping(self) -> bool:
         return True

@@ -1,0 +1,142 @@
+"""What the paged KV pool buys, on CPU, as ratios measured in one run (GPU figures come with the
+GPU issue); greedy, and the same tokens checked throughout:
+
+1. concurrency: requests served at once from one fixed KV memory, paged pool against per-slot
+   caches of max_model_len each (what memory_budget_gb gives);
+2. prefix cache: time to first token of a request whose long prefix is cached, against cold;
+3. chunked prefill: the longest stall of running streams while a long prompt arrives, chunked
+   (max_num_batched_tokens) against whole.
+
+    python benchmarks/paged_kv.py [--model smollm2-135m] [--prefix-len 2500] [--long-len 6000]
+        [--budget 512] [--out benchmarks/paged_kv.json]
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from speculative.config import EngineConfig, SamplingParams
+from speculative.engine import LLMEngine
+
+HERE = Path(__file__).resolve().parent
+
+
+def engine(args, **overrides) -> LLMEngine:
+    cfg = dict(
+        model=args.model, drafter=args.drafter, num_draft_tokens=3, max_batch_size=16,
+        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_model_len,
+        device="cpu", dtype="float32",
+    )  # fmt: skip
+    return LLMEngine(EngineConfig(**(cfg | overrides)))
+
+
+def filler(engine: LLMEngine, n: int, seed: int) -> list[int]:
+    """n token ids of plain words (a deterministic pseudo-text)."""
+    words = engine.tokenizer.encode(" the a of river stone light quiet number seven under over")
+    return [words[(i * 7 + seed * 13 + i // 5) % len(words)] for i in range(n)]
+
+
+def run_timed(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams, int]]):
+    """requests: (prompt, params, engine steps before it joins). -> the requests, each token's
+    arrival time per request, and the most requests running at once."""
+    pending = sorted(range(len(requests)), key=lambda i: requests[i][2])
+    added, arrivals, steps, peak = {}, {}, 0, 0
+    while pending or engine.has_work:
+        while pending and requests[pending[0]][2] <= steps:
+            i = pending.pop(0)
+            added[i] = engine.add_request(requests[i][0], requests[i][1])
+            arrivals[added[i].request_id] = [time.perf_counter()]  # the first: when added
+        for out in engine.step():
+            arrivals[out.request_id] += [time.perf_counter()] * len(out.new_token_ids)
+        peak = max(peak, engine.scheduler.num_running)
+        steps += 1
+    ordered = [added[i] for i in range(len(requests))]
+    return ordered, [arrivals[r.request_id] for r in ordered], peak
+
+
+def concurrency(args) -> dict:
+    """The same KV memory as per-slot caches and as a paged pool, 16 short requests."""
+    probe = engine(args, max_batch_size=1)
+    per_slot = probe.executor.kv.nbytes
+    budget_gb = args.slots * per_slot / 2**30
+    prompts = [filler(probe, 60 + 10 * i, i) for i in range(16)]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    work = [(p, params, 0) for p in prompts]
+    slots = engine(args, memory_budget_gb=budget_gb)
+    paged = engine(args, kv_cache_memory_gb=budget_gb)
+    slot_reqs, _, slot_peak = run_timed(slots, work)
+    paged_reqs, _, paged_peak = run_timed(paged, work)
+    same = [r.output_ids for r in slot_reqs] == [r.output_ids for r in paged_reqs]
+    return {"kv_gb": budget_gb, "slot_cache_peak_running": slot_peak,
+            "paged_peak_running": paged_peak, "ratio": paged_peak / slot_peak,
+            "same_tokens": same}  # fmt: skip
+
+
+def prefix_ttft(args) -> dict:
+    """TTFT of prefix + question, cold (caching off) and with the prefix cached by a request
+    before it."""
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    results = {}
+    for name, caching in (("cold", False), ("cached", True)):
+        e = engine(args, enable_prefix_caching=caching)
+        prefix = filler(e, args.prefix_len, 1)
+        run_timed(e, [(prefix + filler(e, 20, 2), params, 0)])
+        (r,), (times,), _ = run_timed(e, [(prefix + filler(e, 20, 3), params, 0)])
+        results[name] = {"ttft_s": times[1] - times[0], "tokens": r.output_ids}
+    return {"prefix_len": args.prefix_len, "cold_ttft_s": results["cold"]["ttft_s"],
+            "cached_ttft_s": results["cached"]["ttft_s"],
+            "speedup": results["cold"]["ttft_s"] / results["cached"]["ttft_s"],
+            "same_tokens": results["cold"]["tokens"] == results["cached"]["tokens"]}  # fmt: skip
+
+
+def chunked_stall(args) -> dict:
+    """Two streams run; a long prompt joins; the longest gap between a stream's tokens."""
+    results = {}
+    for name, budget in (("whole", args.max_model_len), ("chunked", args.budget)):
+        e = engine(args, max_num_batched_tokens=budget)
+        stream = SamplingParams(max_tokens=args.stream_tokens, ignore_eos=True)
+        work = [(filler(e, 40, 4), stream, 0), (filler(e, 50, 5), stream, 0),
+                (filler(e, args.long_len, 6), SamplingParams(max_tokens=8), 4)]  # fmt: skip
+        reqs, times, _ = run_timed(e, work)
+        gaps = [b - a for t in times[:2] for a, b in zip(t[2:], t[3:])]  # after the first token
+        results[name] = {"stall_s": max(gaps), "tokens": [r.output_ids for r in reqs]}
+    return {"long_len": args.long_len, "budget": args.budget,
+            "whole_stall_s": results["whole"]["stall_s"],
+            "chunked_stall_s": results["chunked"]["stall_s"],
+            "ratio": results["whole"]["stall_s"] / results["chunked"]["stall_s"],
+            "same_tokens": results["whole"]["tokens"] == results["chunked"]["tokens"]}  # fmt: skip
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--drafter", default="default")
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--slots", type=int, default=2, help="per-slot caches the KV memory holds")
+    p.add_argument("--prefix-len", type=int, default=2500)
+    p.add_argument("--long-len", type=int, default=6000)
+    p.add_argument("--budget", type=int, default=512, help="chunked max_num_batched_tokens")
+    p.add_argument("--stream-tokens", type=int, default=200)
+    p.add_argument("--out", type=Path, default=HERE / "paged_kv.json")
+    args = p.parse_args()
+    report = {"concurrency": concurrency(args), "prefix_cache": prefix_ttft(args),
+              "chunked_prefill": chunked_stall(args)}  # fmt: skip
+    print(f"{'measure':<44}{'baseline':>12}{'paged':>12}{'ratio':>8}  same tokens")
+    c, f, s = report["concurrency"], report["prefix_cache"], report["chunked_prefill"]
+    rows = [
+        ("requests at once (same KV memory)", c["slot_cache_peak_running"],
+         c["paged_peak_running"], c["ratio"], c["same_tokens"]),
+        (f"TTFT s, {f['prefix_len']}-token prefix cold/cached", f["cold_ttft_s"],
+         f["cached_ttft_s"], f["speedup"], f["same_tokens"]),
+        (f"longest stream stall s, {s['long_len']}-token prompt", s["whole_stall_s"],
+         s["chunked_stall_s"], s["ratio"], s["same_tokens"]),
+    ]  # fmt: skip
+    for name, base, paged, ratio, same in rows:
+        print(f"{name:<44}{base:>12.3f}{paged:>12.3f}{ratio:>8.2f}  {same}")
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

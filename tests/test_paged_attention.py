@@ -1,0 +1,86 @@
+"""The Triton paged-attention kernel, run by Triton's interpreter on CPU, against the reference
+path (the blocks gathered in order, SDPA under the same mask) for random block tables, lengths,
+GQA groups, query tokens per row (prefill chunks, the verify pass) and draft-tree masks. On a
+GPU machine, TRITON_INTERPRET=0 runs the compiled kernel on CUDA instead."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's decorators run
+pytest.importorskip("triton")
+DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
+
+from speculative.draft_tree import tree_layout  # noqa: E402
+from workers.attention import hidden_keys  # noqa: E402
+from workers.kv_cache import ForwardBatch, read_kv  # noqa: E402
+from workers.paged_attention import paged_attention  # noqa: E402
+
+
+def reference(q: torch.Tensor, pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    kv = read_kv(pool, batch)  # [2, B, KV, S, D]
+    hidden = hidden_keys(batch)
+    bias = torch.zeros(hidden.shape, device=q.device).masked_fill_(hidden, float("-inf"))
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), kv[0], kv[1], attn_mask=bias.unsqueeze(1), enable_gqa=True
+    )
+    return out.transpose(1, 2)
+
+
+def random_batch(g, B, T, heads, kv_heads, D, block_size, tree=None):
+    """Rows at random lengths over randomly scattered blocks of a shared pool; T query tokens
+    a row, at the row's last T positions (causal within the row)."""
+    max_blocks = 6
+    num_blocks = B * max_blocks + 3
+    pool = torch.randn(2, num_blocks + 1, block_size, kv_heads, D, generator=g)
+    table = torch.randperm(num_blocks, generator=g)[: B * max_blocks].view(B, max_blocks)
+    lens = torch.randint(T, max_blocks * block_size - T + 1, (B,), generator=g)
+    base = lens - T  # [B] position of each row's first query token
+    columns = torch.arange(T)
+    positions = base.unsqueeze(1) + (columns if tree is None else tree[0])
+    write_positions = base.unsqueeze(1) + columns
+    kv_len = max_blocks * block_size
+    tree_mask = None if tree is None else tree[1].to(DEVICE)
+    batch = ForwardBatch(*(x.to(DEVICE) for x in (
+        torch.arange(B), positions, write_positions, write_positions, write_positions, table
+    )), kv_len, tree_mask)  # fmt: skip
+    q = torch.randn(B, T, heads, D, generator=g)
+    return q.to(DEVICE), pool.to(DEVICE), batch
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (9, 3), (8, 1)])
+@pytest.mark.parametrize("T", [1, 4, 13])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_chain_matches_the_reference(heads, kv_heads, T, block_size):
+    g = torch.Generator().manual_seed(heads * 100 + T * 10 + block_size)
+    q, pool, batch = random_batch(g, 3, T, heads, kv_heads, 16, block_size)
+    torch.testing.assert_close(paged_attention(q, pool, batch), reference(q, pool, batch))
+
+
+@pytest.mark.parametrize("K, M", [(3, 1), (2, 2)])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (6, 3)])
+def test_draft_tree_matches_the_reference(K, M, heads, kv_heads):
+    depth, sees = tree_layout(K, M)
+    T = depth.shape[0]
+    g = torch.Generator().manual_seed(K * 10 + M)
+    q, pool, batch = random_batch(g, 4, T, heads, kv_heads, 16, 16, tree=(depth, sees))
+    torch.testing.assert_close(paged_attention(q, pool, batch), reference(q, pool, batch))
+
+
+def test_a_head_dim_short_of_a_power_of_two():
+    g = torch.Generator().manual_seed(7)
+    q, pool, batch = random_batch(g, 2, 3, 4, 2, 24, 16)
+    torch.testing.assert_close(paged_attention(q, pool, batch), reference(q, pool, batch))
+
+
+def test_rows_read_only_their_own_blocks():
+    """Poisoning every block no row's table names changes nothing."""
+    g = torch.Generator().manual_seed(3)
+    q, pool, batch = random_batch(g, 3, 2, 4, 2, 16, 16)
+    before = paged_attention(q, pool, batch)
+    unused = torch.ones(pool.shape[1], dtype=torch.bool, device=pool.device)
+    unused[batch.block_table.flatten()] = False
+    pool[:, unused] = float("nan")
+    torch.testing.assert_close(paged_attention(q, pool, batch), before)
