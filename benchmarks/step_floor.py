@@ -7,8 +7,7 @@ import json
 
 import torch
 
-from speculative.config import EngineConfig
-from speculative.config import SamplingParams
+from speculative.config import EngineConfig, SamplingParams
 from speculative.plan import PrefillRow, StepPlan
 from workers.model_runner import ModelRunner
 

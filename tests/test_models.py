@@ -191,12 +191,14 @@ def test_start_log_says_kv_per_token_and_concurrency(dirs, caplog):
     """Qwen3 tiny: 4 layers x 2 KV heads x head_dim 24 x (k, v) x 4 bytes (fp32) per token."""
     with caplog.at_level("INFO", logger="workers.model_runner"):
         engine = tiny_engine(dirs["qwen3", "default"], max_batch_size=3, max_model_len=200)
-    cache_len = engine.executor.kv.cache_len
+    kv = engine.executor.kv
     line = next(r.getMessage() for r in caplog.records if "bytes per token" in r.getMessage())
     assert "weights 0.00 GiB on this rank" in line
     assert f"KV cache {4 * 2 * 24 * 2 * 4} bytes per token" in line
-    assert f"{3 * cache_len} tokens of KV fit (3 slots x {cache_len})" in line
-    assert "maximum concurrency 3 requests at max_model_len 200" in line
+    # by default the pool holds every slot at full length
+    tokens = 3 * kv.cache_len
+    assert f"{kv.num_blocks} blocks of {kv.block_size} = {tokens} tokens of KV fit" in line
+    assert f"maximum concurrency {tokens / 200:.2f} requests at max_model_len 200" in line
 
 
 @pytest.mark.parametrize("family, rope", [("llama", "llama3"), ("qwen2", "yarn")])

@@ -149,14 +149,16 @@ class KVCache:
     @property
     def bytes_per_token(self) -> int:
         """KV bytes one token takes on this rank, target and drafter together."""
-        return self.nbytes // ((self.num_slots + 1) * self.cache_len)
+        return self.nbytes // ((self.num_blocks + 1) * self.block_size)
 
     def capacity(self, max_model_len: int) -> str:
         """What vLLM users look for at start: KV per token, tokens that fit, concurrency."""
+        tokens = self.num_blocks * self.block_size
         return (
-            f"KV cache {self.bytes_per_token} bytes per token; {self.num_slots * self.cache_len} "
-            f"tokens of KV fit ({self.num_slots} slots x {self.cache_len}); maximum concurrency "
-            f"{self.num_slots} requests at max_model_len {max_model_len}"
+            f"KV cache {self.bytes_per_token} bytes per token; {self.num_blocks} blocks of "
+            f"{self.block_size} = {tokens} tokens of KV fit; maximum concurrency "
+            f"{tokens / max_model_len:.2f} requests at max_model_len {max_model_len} "
+            f"({self.num_slots} request slots)"
         )
 
     def bind(self, target_attention: list, drafter_attention=None) -> None:
