@@ -62,6 +62,10 @@ def memory_report(runner: ModelRunner) -> dict:
 
 
 @torch.inference_mode()
+def prompt_ids(slot: int, length: int) -> list[int]:
+    return [1 + (slot * 7 + i) % 1000 for i in range(length)]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="random:llama-3.1-8b")
@@ -94,10 +98,7 @@ def main():
                 step_id=0,
                 free_slots=[s for s in used if runner.resources.is_allocated[s]],
                 prefills=[
-                    PrefillRow(
-                        s, [1 + (s * 7 + i) % 1000 for i in range(args.prompt_len)], s, SamplingParams()
-                    )
-                    for s in used
+                    PrefillRow(s, prompt_ids(s, args.prompt_len), s, SamplingParams()) for s in used
                 ],
                 kv_len=512,
             )

@@ -416,7 +416,8 @@ def test_min_tokens_ends_with_its_request(tiny_dir, prompts, plain_ref):
     ]
     engine = tiny_engine(tiny_dir, max_batch_size=2)
     requests = run_to_completion(engine, prompts[:4], params, [0, 0, 25, 26])
-    assert requests[2].output_ids == plain_ref[2][: ends + 1] and requests[2].finish_reason == "stop"
+    assert requests[2].output_ids == plain_ref[2][: ends + 1]
+    assert requests[2].finish_reason == "stop"
 
 
 @pytest.mark.parametrize("k, siblings", [(1, 0), (3, 0), (3, 1)])
