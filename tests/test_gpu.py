@@ -239,10 +239,13 @@ def test_gqa_attention_equals_folded_under_cudnn():
     try:
         for B, T in ((8, 4), (4, 1), (2, 64)):
             assert use_gqa(dev, dt, B, T, H, D)
-            attn.cache = torch.randn(2, B + 1, 512, KV, D, device=dev, dtype=dt)
+            # a paged pool: slot b owns blocks 32b..32b+31 (512 rows), the last block a dummy
+            attn.cache = torch.randn(2, 32 * B + 1, 16, KV, D, device=dev, dtype=dt)
+            table = torch.arange(32 * B, device=dev).view(B, 32)
             positions = torch.randint(100, 400, (B, 1), device=dev) + torch.arange(T, device=dev)
             slots = torch.arange(B, device=dev)
-            batch = ForwardBatch(slots, positions, slots.unsqueeze(1).expand(B, T), positions, 512)
+            blocks = table.gather(1, positions // 16)
+            batch = ForwardBatch(slots, positions, positions, blocks, positions % 16, table, 512)
             x = torch.randn(B, T, 576, device=dev, dtype=dt)
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 gqa = attn(x, batch, attention_inputs(batch, attn, dt, gqa=True))
