@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import run_to_completion, tiny_engine, tiny_prompts
 from safetensors.torch import save_file
+from tiny_models import attach_kv, prefill_batch
 
 from speculative.config import SamplingParams
 from speculative.drafter import DrafterConfig
@@ -19,23 +20,18 @@ from speculative.drafter_format import (
     random_drafter_state,
     save_drafter,
 )
-from workers.kv_cache import ForwardBatch, allocate_kv_cache
 from workers.models import ModelConfig, load_config
 
 
 def drafter_outputs(drafter, seed=0) -> tuple[torch.Tensor, torch.Tensor]:
     """Pre-norm output and proposals of a first draft forward over 5 tokens (fresh KV cache)."""
     cfg = drafter.cfg
-    cache = allocate_kv_cache(1, 1, 16, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
-    drafter.midlayer.self_attn.cache = cache[0]
+    kv = attach_kv(drafter, 1, 16, drafter=True)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (1, 5), generator=g)
     features = torch.randn(1, 5, drafter.fc.weight.shape[1], generator=g)
     positions = torch.arange(5).unsqueeze(0)
-    batch = ForwardBatch(
-        torch.tensor([0]), positions, torch.zeros(1, 5, dtype=torch.long), positions, 5
-    )
-    h = drafter(ids, features, batch, from_features=True)
+    h = drafter(ids, features, prefill_batch(kv, [0], positions, 5), from_features=True)
     return h, drafter.propose(h)[..., 0]
 
 

@@ -9,40 +9,26 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_to_completion, tiny_engine, tiny_prompts, write_tiny_llama
+from tiny_models import attach_kv, prefill_batch
 
 from speculative.config import SamplingParams
-from workers.kv_cache import ForwardBatch, allocate_kv_cache
 from workers.loader import iter_safetensors, load_target_weights
 from workers.models import ModelConfig, load_config
 from workers.models.llama import Llama
 
 
 def our_llama(model_dir, max_len: int = 128) -> Llama:
-    """Our target on one slot, with its KV cache attached."""
+    """Our target on two request slots, with its KV cache (`model.kv`) attached."""
     cfg = ModelConfig.from_hf(load_config(model_dir))
     model = Llama(cfg, max_positions=max_len, aux_layer_ids=())
     load_target_weights(model, model_dir)
-    cache = allocate_kv_cache(
-        cfg.num_hidden_layers,
-        1,
-        max_len,
-        cfg.num_key_value_heads,
-        cfg.head_dim,
-        torch.float32,
-        "cpu",
-    )
-    for layer, c in zip(model.layers, cache):
-        layer.self_attn.cache = c
+    model.kv = attach_kv(model, 2, max_len)
     return model
 
 
 def full_forward_logits(model: Llama, ids: list[int]) -> torch.Tensor:
-    T = len(ids)
-    positions = torch.arange(T).unsqueeze(0)
-    batch = ForwardBatch(
-        torch.tensor([0]), positions, torch.zeros(1, T, dtype=torch.long), positions, T
-    )
-    hidden, _ = model(torch.tensor([ids]), batch)
+    positions = torch.arange(len(ids)).unsqueeze(0)
+    hidden, _ = model(torch.tensor([ids]), prefill_batch(model.kv, [0], positions, len(ids)))
     return model.logits(hidden)[0]
 
 
@@ -53,22 +39,15 @@ def test_gqa_attention_equals_folded(tmp_path, monkeypatch):
     import workers.attention
 
     model = our_llama(write_tiny_llama(tmp_path / "m", num_heads=4, num_kv_heads=2, seed=5))
-    for layer in model.layers:  # 2 slots + dummy, random: rows past each position must stay masked
-        layer.self_attn.cache = torch.randn(2, 3, *layer.self_attn.cache.shape[2:])
+    # random pools: rows past each position must stay masked
+    model.kv.target.normal_()
     ids = torch.tensor(tiny_prompts(2, seed=3, min_len=5, max_len=5))
     logits = {}
     for gqa in (True, False):
         monkeypatch.setattr(workers.attention, "use_gqa", lambda *args, gqa=gqa: gqa)
         for T in (5, 1):
             positions = torch.tensor([[7], [11]]) + torch.arange(T)
-            batch = ForwardBatch(
-                torch.tensor([0, 1]),
-                positions,
-                torch.tensor([[0], [1]]).expand(2, T),
-                positions,
-                32,
-            )
-            hidden, _ = model(ids[:, :T], batch)
+            hidden, _ = model(ids[:, :T], prefill_batch(model.kv, [0, 1], positions, 32))
             logits[gqa, T] = model.logits(hidden)
     for T in (5, 1):
         torch.testing.assert_close(logits[True, T], logits[False, T], rtol=1e-5, atol=1e-5)

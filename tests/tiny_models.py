@@ -6,6 +6,7 @@ import shutil
 import torch
 from safetensors.torch import save_file
 
+from workers.kv_cache import KVCache, KVShape
 from workers.loader import resolve_model
 
 
@@ -57,3 +58,21 @@ def tiny_llama(path, heads=4, kv_heads=2, layers=6, hidden=64, seed=0, max_posit
         )
     )
     return path
+
+
+def attach_kv(model, num_slots: int, max_len: int, drafter: bool = False) -> KVCache:
+    """A fp32 CPU KV cache of num_slots requests of max_len tokens (the pool holds them all),
+    bound to the model's attention (a drafter's one layer with drafter=True)."""
+    layers = 1 if drafter else model.cfg.num_hidden_layers
+    num_blocks = num_slots * -(-max_len // 16)
+    shape = KVShape.of(model.cfg, 1, layers)
+    kv = KVCache(shape, None, num_slots, max_len, num_blocks, 16, torch.float32, "cpu")
+    kv.bind([model.midlayer.self_attn] if drafter else model.attention_modules())
+    return kv
+
+
+def prefill_batch(kv: KVCache, slots: list[int], positions: torch.Tensor, kv_len: int):
+    """A ForwardBatch writing every token of rows in `slots` at `positions` [B, T]."""
+    valid = torch.ones_like(positions, dtype=torch.bool)
+    return kv.batch(torch.tensor(slots), positions, valid, kv_len)
+
