@@ -28,6 +28,7 @@ def _engine_config(args):
         overlap=not args.no_overlap,
         prompt_lookup=args.prompt_lookup,
         draft_siblings=args.draft_siblings,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
     )
 
 
@@ -331,6 +332,7 @@ def cmd_bench(args) -> None:
             logprobs=args.logprobs,
             siblings=siblings,
             temperature=args.temperature,
+            kv_cache_memory_gb=args.kv_cache_memory_gb,
         )
     finally:
         ray.shutdown()

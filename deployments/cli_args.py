@@ -16,6 +16,7 @@ ENGINE_FLAGS = (
     "tp",
     "prompt_lookup",
     "draft_siblings",
+    "kv_cache_memory_gb",
 )
 
 
@@ -48,6 +49,11 @@ def engine_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     add("--device", choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
     add("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="weights' dtype")
     add("--tp", type=int, help="tensor-parallel size (runs on Ray when > 1)")
+    add(
+        "--kv-cache-memory-gb",
+        type=float,
+        help="GiB of KV cache blocks per rank (None: every request slot at max-model-len)",
+    )
     p.add_argument(
         "--no-overlap", action="store_true", help="process each step's results before the next"
     )
@@ -204,6 +210,9 @@ def _bench_parser(sub) -> None:
     b.add_argument("--ignore-eos", action="store_true", help="every request makes --output-len")
     b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda")
     b.add_argument("--max-model-len", type=int, default=1024, help="the engines' context")
+    b.add_argument(
+        "--kv-cache-memory-gb", type=float, default=None, help="GiB of KV cache blocks per rank"
+    )
     b.add_argument("-o", "--output", type=Path, default=Path("benchmarks/bench.json"), help="JSON")
 
 
