@@ -75,4 +75,3 @@ def prefill_batch(kv: KVCache, slots: list[int], positions: torch.Tensor, kv_len
     """A ForwardBatch writing every token of rows in `slots` at `positions` [B, T]."""
     valid = torch.ones_like(positions, dtype=torch.bool)
     return kv.batch(torch.tensor(slots), positions, valid, kv_len)
-
