@@ -13,7 +13,7 @@ from ray.serve.exceptions import RequestCancelledError
 
 from deployments.protocol import APIError, usage
 from speculative.config import SamplingParams
-from speculative.scheduler import RequestOutput
+from speculative.request import RequestOutput
 
 log = logging.getLogger("eagleserve.server")
 

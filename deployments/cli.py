@@ -49,7 +49,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 def cmd_generate(args) -> None:
     from speculative.config import SamplingParams
     from speculative.engine import encode_prompt
-    from speculative.scheduler import RequestError
+    from speculative.request import RequestError
     from workers.loader import load_tokenizer, resolve_model
 
     if not args.input.is_file():

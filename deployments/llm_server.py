@@ -11,7 +11,7 @@ from ray import serve
 from deployments.config import ServeConfig
 from deployments.protocol import APIError
 from speculative.config import SamplingParams
-from speculative.scheduler import RequestError, RequestOutput
+from speculative.request import RequestError, RequestOutput
 
 log = logging.getLogger("eagleserve.server")
 

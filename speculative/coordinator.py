@@ -14,7 +14,7 @@ import ray
 from speculative.config import EngineConfig, SamplingParams
 from speculative.engine import LLMEngine
 from speculative.executor import EngineDeadError, RayExecutor
-from speculative.scheduler import RequestError
+from speculative.request import RequestError
 
 log = logging.getLogger(__name__)
 

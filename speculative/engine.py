@@ -7,7 +7,8 @@ from collections import deque
 
 from speculative.block_manager import BlockManager
 from speculative.config import EngineConfig, SamplingParams
-from speculative.scheduler import Request, RequestOutput, Scheduler
+from speculative.request import Request, RequestOutput
+from speculative.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -8,97 +8,31 @@ there are dropped, and its slot is released only after the last step that used i
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
 
 from speculative.block_manager import BlockManager, RequestBlocks
 from speculative.config import MAX_STOP_IDS, SamplingParams
+from speculative.detokenizer import decode, detokenize, find_stop
 from speculative.plan import PrefillRow, StepPlan, StepResult
+from speculative.request import Request, RequestError, RequestOutput, StepStats, row_logprobs
 
 
-class RequestError(ValueError):
-    """A request that cannot be served as asked (bad parameters, prompt too long)."""
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-    output_ids: list[int] = field(default_factory=list)
-    slot: int | None = None
-    finish_reason: str | None = None  # "stop", "length", "abort"
-    num_verify_steps: int = 0  # target forwards after prefill
-    num_verify_emitted: int = 0  # 1 + accepted drafts, summed over those forwards
-    in_flight: int = 0  # planned steps whose results are not processed yet
-    last_step: int = -1  # last step id that includes this request
-    text: str = ""  # decoded output so far, a resumed one's earlier output first (stop
-    # strings are searched in it)
-    num_sent: int = 0  # characters of text already returned as deltas
-    prefix_offset: int = 0  # text ids[prefix_offset:read_offset] (`_text_ids`) are the context for
-    read_offset: int = 0  # decoding the ids from read_offset on (incremental detokenizing)
-    stops_after: int | None = (
-        0  # a stop string counts if it ends past this many characters of text:
+def step_flags(rows: list[Request], prefills: list[Request]) -> dict:
+    """What a step's rows need beyond greedy decoding (StepPlan's flags): steps without a
+    feature do not pay for it, and greedy steps stay graphable."""
+    params = [r.params for r in rows]
+    prompt_logprobs = [r.params.prompt_logprobs for r in prefills]
+    return dict(
+        all_greedy=all(p.is_greedy for p in params),
+        use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+        use_min_p=any(p.min_p > 0 for p in params),
+        num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
+        use_penalties=any(
+            p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1 for p in params
+        ),
+        use_logit_bias=any(p.logit_bias for p in params),
+        use_min_tokens=any(r.params.min_tokens > len(r.output_ids) for r in rows),
+        num_prompt_logprobs=max((n for n in prompt_logprobs if n is not None), default=None),
     )
-    # a resumed request's earlier output, min_tokens' (None until then)
-    ends_with_stop_token: bool = False  # the last output token is the EOS or stop token
-    blocks: list[int] = field(default_factory=list)  # its KV blocks, in position order
-    block_hashes: list[int] = field(default_factory=list)  # of its full blocks, once cached
-    is_preempted: bool = False  # its blocks are given back; requeued once no step holds it
-    # its prefill at its (last) admission: prompt, and a resumed one's output so far; how many
-    # of those tokens steps were planned for (the prefix cache's first), and computed
-    prefill_ids: list[int] = field(default_factory=list)
-    num_prefilled: int = 0
-    num_confirmed: int = 0
-
-    @property
-    def is_finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def acceptance_length(self) -> float:
-        return self.num_verify_emitted / self.num_verify_steps if self.num_verify_steps else 1.0
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    text_delta: str
-    finish_reason: str | None
-    acceptance_length: float = 1.0  # the request's mean so far
-    # with params.logprobs, per new token: (its log-probability, [(id, log-probability)] of the
-    # top ones)
-    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = (
-        None  # the prompt's tokens 1.., once
-    )
-
-
-@dataclass
-class StepStats:
-    num_rows: int = 0
-    num_extra_rows: int = 0  # rows of requests that had already ended (extra pass)
-    num_verify_rows: int = 0
-    num_draft_proposed: int = 0
-    num_draft_accepted: int = 0
-    accepted_at: list[int] = field(default_factory=list)  # per draft position
-    num_preemptions: int = 0
-
-
-def _logprobs(arrays: tuple | None, row: int, columns, n: int | None) -> list | None:
-    """(log-probability, top n [(id, log-probability)]) per column of a row of StepResult's
-    (chosen, top ids, top log-probabilities) arrays; None when the request asked for none."""
-    if n is None:
-        return None
-    chosen, top_ids, top_logprobs = arrays
-    return [
-        (
-            float(chosen[row, j]),
-            list(zip(top_ids[row, j, :n].tolist(), top_logprobs[row, j, :n].tolist())),
-        )
-        for j in columns
-    ]
 
 
 class Scheduler:
@@ -116,12 +50,10 @@ class Scheduler:
         blocks: BlockManager | None = None,
     ):
         self.num_slots, self.max_model_len, self.k = num_slots, max_model_len, k
-        self.tree_rows = (
-            tree_rows  # KV rows a verify pass writes past the chain (the draft tree's siblings)
-        )
-        self.vocab_size = (
-            vocab_size  # prompt ids are checked against it (a bad id would fail the whole step)
-        )
+        # KV rows a verify pass writes past the chain (the draft tree's siblings)
+        self.tree_rows = tree_rows
+        # prompt ids are checked against it (a bad id would fail the whole step)
+        self.vocab_size = vocab_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer
@@ -206,7 +138,7 @@ class Scheduler:
             # a resumed request's text goes on from its earlier output's: a stop string may span
             # the two, and what the failed engine held back (a possible stop string's start) is
             # sent from here
-            request.text = self.tokenizer.decode(self._text_ids(request), skip_special_tokens=True)
+            request.text = decode(self.tokenizer, request)
             request.num_sent = min(params.prior_text_sent, len(request.text))
             request.read_offset = params.prior_output_tokens
             if request.stops_after == 0:  # the failed engine checked that text, with its min_tokens
@@ -261,32 +193,7 @@ class Scheduler:
 
     def plan(self) -> StepPlan | None:
         step_id = next(self.step_ids)
-        active = [
-            r
-            for r in self.running.values()
-            if not r.is_finished and r.slot is not None and not r.is_preempted
-        ]
-        decodes = [
-            r
-            for r in active
-            if r.num_prefilled == len(r.prefill_ids) and not self._will_surely_finish(r)
-        ]
-        budget = self.max_num_batched_tokens  # paged: verify tokens first, then prefill chunks
-        if self.kv is not None:
-            budget -= len(decodes) * (1 + self.k + self.tree_rows)
-        chunks: dict[str, int] = {}  # request id -> end of its chunk this step
-        for r in active:  # prefills under way, oldest first
-            if r.num_prefilled < len(r.prefill_ids):
-                end = self._chunk_end(r, r.num_prefilled, len(chunks), chunks, budget)
-                if end is None:
-                    break
-                chunks[r.request_id] = end
-        updates = None
-        if self.kv is not None:
-            updates = []
-            self._reserve_blocks(decodes, chunks, updates)
-            decodes = [r for r in decodes if not r.is_preempted]
-            chunks = {i: end for i, end in chunks.items() if not self.running[i].is_preempted}
+        decodes, chunks, budget, updates = self._continue_running()
         prefills = [self.running[i] for i in chunks]
         num_continued = len(prefills)
         while self.waiting and self.free_slots and len(prefills) + len(decodes) < self.num_slots:
@@ -300,22 +207,54 @@ class Scheduler:
             chunks[r.request_id] = end
         if not prefills and not decodes:
             return None
-        rows = prefills + decodes
         prefill_rows = [
             self._prefill_row(r, chunks[r.request_id], i < num_continued)
             for i, r in enumerate(prefills)
         ]
+        return self._make_plan(step_id, prefill_rows, prefills, decodes, updates)
+
+    def _continue_running(self) -> tuple:
+        """The running requests' rows of the next step: decodes, and the chunks of prefills under
+        way ({request id: chunk end}), within the step's token budget (verify tokens first),
+        with blocks reserved for them (preempting where the pool runs out). -> (decodes, chunks,
+        the budget left for prefills, block-table updates or None)."""
+        active = [
+            r
+            for r in self.running.values()
+            if not r.is_finished and r.slot is not None and not r.is_preempted
+        ]
+        decodes = [
+            r
+            for r in active
+            if r.num_prefilled == len(r.prefill_ids) and not self._will_surely_finish(r)
+        ]
+        budget = self.max_num_batched_tokens
+        if self.kv is not None:
+            budget -= len(decodes) * (1 + self.k + self.tree_rows)
+        chunks: dict[str, int] = {}
+        for r in active:  # prefills under way, oldest first
+            if r.num_prefilled < len(r.prefill_ids):
+                end = self._chunk_end(r, r.num_prefilled, len(chunks), chunks, budget)
+                if end is None:
+                    break
+                chunks[r.request_id] = end
+        if self.kv is None:
+            return decodes, chunks, budget, None
+        updates = []
+        self._reserve_blocks(decodes, chunks, updates)
+        decodes = [r for r in decodes if not r.is_preempted]
+        chunks = {i: end for i, end in chunks.items() if not self.running[i].is_preempted}
+        return decodes, chunks, budget, updates
+
+    def _make_plan(self, step_id, prefill_rows, prefills, decodes, updates) -> StepPlan:
+        rows = prefills + decodes
         for r in rows:
             r.in_flight += 1
             r.last_step = step_id
+        # the KV rows any row may read: its tokens, the steps in flight, this step's drafts
+        ahead = self.k + 1 + self.tree_rows
         span = max(
-            len(r.prompt_ids)
-            + len(r.output_ids)
-            + r.in_flight * (self.k + 1)
-            + self.k
-            + 1
-            + self.tree_rows
-            for r in rows
+            len(r.prompt_ids) + len(r.output_ids) + r.in_flight * (self.k + 1) + ahead for r in rows
         )
         plan = StepPlan(
             step_id=step_id,
@@ -323,28 +262,7 @@ class Scheduler:
             decode_slots=[r.slot for r in decodes],
             free_slots=self.slots_to_release,
             kv_len=-(-span // 64) * 64,
-            all_greedy=all(r.params.is_greedy for r in rows),
-            use_top_k_top_p=any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows),
-            use_min_p=any(r.params.min_p > 0 for r in rows),
-            num_logprobs=max(
-                (r.params.logprobs for r in rows if r.params.logprobs is not None), default=None
-            ),
-            use_penalties=any(
-                r.params.frequency_penalty
-                or r.params.presence_penalty
-                or r.params.repetition_penalty != 1
-                for r in rows
-            ),
-            use_logit_bias=any(r.params.logit_bias for r in rows),
-            use_min_tokens=any(r.params.min_tokens > len(r.output_ids) for r in rows),
-            num_prompt_logprobs=max(
-                (
-                    r.params.prompt_logprobs
-                    for r in prefills
-                    if r.params.prompt_logprobs is not None
-                ),
-                default=None,
-            ),
+            **step_flags(rows, prefills),
         )
         plan.block_updates = updates
         self.slots_to_release = []
@@ -470,7 +388,7 @@ class Scheduler:
                 emitted = int(result.num_emitted[row])
                 if row >= num_prefills:
                     self._count_acceptance(r, emitted)
-                logprobs = _logprobs(
+                logprobs = row_logprobs(
                     (result.logprobs, result.top_ids, result.top_logprobs),
                     row,
                     range(emitted),
@@ -478,7 +396,7 @@ class Scheduler:
                 )
                 outputs.append(self._append(r, result.tokens[row, :emitted].tolist(), logprobs))
                 if row < num_prefills and not plan.prefills[row].num_resumed:
-                    outputs[-1].prompt_logprobs = _logprobs(
+                    outputs[-1].prompt_logprobs = row_logprobs(
                         result.prompt_logprobs,
                         row,
                         range(1, len(r.prompt_ids)),
@@ -521,15 +439,17 @@ class Scheduler:
                 self._finish(r, "stop")
                 break
             if r.params.stop and r.stops_after is None and len(r.output_ids) == r.params.min_tokens:
-                r.stops_after = len(self._decode(r))
+                r.stops_after = len(decode(self.tokenizer, r))
             # token by token, so the output ends where plain decoding (one token a step) ends it
-            if r.params.stop and self._find_stop(r, self._decode(r)) is not None:
+            if r.params.stop and find_stop(r, decode(self.tokenizer, r)) is not None:
                 self._finish(r, "stop")
                 break
         if not r.is_finished and len(r.output_ids) >= r.params.max_tokens:
             self._finish(r, "length")
         # a finished request may still hold back text that could have begun a stop string
-        delta = self._detokenize(r) if self.tokenizer is not None and (new or r.is_finished) else ""
+        delta = ""
+        if self.tokenizer is not None and (new or r.is_finished):
+            delta = detokenize(self.tokenizer, r)
         return RequestOutput(
             r.request_id,
             new,
@@ -537,70 +457,6 @@ class Scheduler:
             r.finish_reason,
             r.acceptance_length,
             logprobs[: len(new)] if logprobs is not None else None,
-        )
-
-    @staticmethod
-    def _text_ids(r: Request) -> list[int]:
-        """The tokens of the request's text: its output (less a stop token), after the earlier
-        output of a resumed request."""
-        prior = r.params.prior_output_tokens
-        output = r.output_ids[:-1] if r.ends_with_stop_token else r.output_ids
-        return r.prompt_ids[len(r.prompt_ids) - prior :] + output if prior else output
-
-    def _decode(self, r: Request) -> str:
-        return self.tokenizer.decode(self._text_ids(r), skip_special_tokens=True)
-
-    @staticmethod
-    def _find_stop(r: Request, text: str) -> int | None:
-        """Where the earliest stop string that ends after `r.stops_after` characters starts in the
-        text, if any does (None before min_tokens tokens: vLLM's rule, a stop string must end past
-        their text)."""
-        if r.stops_after is None:
-            return None
-        hits = [
-            at
-            for at in (
-                text.find(stop, max(0, r.stops_after - len(stop) + 1)) for stop in r.params.stop
-            )
-            if at >= 0
-        ]
-        return min(hits) if hits else None
-
-    def _detokenize(self, r: Request) -> str:
-        """The text the new tokens add, decoding only a few tokens of context before them (a
-        whole re-decode each step costs ~27 us per 128 tokens, per request, on the coordinator's
-        thread)."""
-        tokens = self._text_ids(r)
-        context = self.tokenizer.decode(
-            tokens[r.prefix_offset : r.read_offset], skip_special_tokens=True
-        )
-        window = self.tokenizer.decode(tokens[r.prefix_offset :], skip_special_tokens=True)
-        if (
-            window.endswith("\ufffd") and not r.is_finished
-        ):  # a multi-byte character not complete yet
-            return ""
-        if window.startswith(context):
-            text = r.text + window[len(context) :]
-        else:  # the context decodes differently with what follows it: decode the whole output
-            text = self._decode(r)
-        r.prefix_offset, r.read_offset = r.read_offset, len(tokens)
-        at = self._find_stop(r, text) if r.params.stop else None
-        if at is not None:
-            text = text[:at]
-        r.text = text
-        # what may be the start of a stop string is held back until later tokens complete or
-        # refute it
-        end = len(text) if r.is_finished else len(text) - self._partial_stop(r, text)
-        delta = text[r.num_sent : end]
-        r.num_sent = max(r.num_sent, end)
-        return delta
-
-    @staticmethod
-    def _partial_stop(r: Request, text: str) -> int:
-        """The length of the longest end of `text` that is the beginning of a stop string."""
-        return max(
-            (k for stop in r.params.stop for k in range(1, len(stop)) if text.endswith(stop[:k])),
-            default=0,
         )
 
     def _finish(self, r: Request, reason: str) -> None:

@@ -6,7 +6,7 @@ import pytest
 from conftest import run_to_completion, tiny_engine, tiny_prompts
 
 from speculative.config import SamplingParams
-from speculative.scheduler import RequestError
+from speculative.request import RequestError
 
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 JOINS = [0, 0, 1, 3, 4, 9, 15]  # engine steps before each request joins

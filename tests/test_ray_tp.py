@@ -14,7 +14,7 @@ from speculative.config import EngineConfig, SamplingParams
 from speculative.coordinator import Coordinator, CoordinatorActor
 from speculative.engine import LLMEngine, encode_prompt
 from speculative.executor import EngineDeadError
-from speculative.scheduler import RequestError
+from speculative.request import RequestError
 from workers.loader import load_tokenizer, resolve_model
 
 QUESTIONS = [

@@ -12,7 +12,8 @@ from pydantic import ValidationError
 
 from speculative.config import EngineConfig, SamplingParams
 from speculative.plan import StepResult
-from speculative.scheduler import RequestError, Scheduler
+from speculative.request import RequestError
+from speculative.scheduler import Scheduler
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 

@@ -1,0 +1,93 @@
+"""One request's progress on the host, what each step hands back for it, and step counters.
+
+A request's progress is counters: output tokens, verify passes and what they emitted, steps in
+flight; its prefill (prompt, or prompt and output when recomputed after preemption) is computed
+in chunks up to `num_prefilled`."""
+
+from dataclasses import dataclass, field
+
+from speculative.config import SamplingParams
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as asked (bad parameters, prompt too long)."""
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = field(default_factory=list)
+    slot: int | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    num_verify_steps: int = 0  # target forwards after prefill
+    num_verify_emitted: int = 0  # 1 + accepted drafts, summed over those forwards
+    in_flight: int = 0  # planned steps whose results are not processed yet
+    last_step: int = -1  # last step id that includes this request
+    text: str = ""  # decoded output so far, a resumed one's earlier output first (stop
+    # strings are searched in it)
+    num_sent: int = 0  # characters of text already returned as deltas
+    prefix_offset: int = 0  # text ids[prefix_offset:read_offset] (`_text_ids`) are the context for
+    read_offset: int = 0  # decoding the ids from read_offset on (incremental detokenizing)
+    # a stop string counts if it ends past this many characters of text: a resumed request's
+    # earlier output, min_tokens' (None until then)
+    stops_after: int | None = 0
+    ends_with_stop_token: bool = False  # the last output token is the EOS or stop token
+    blocks: list[int] = field(default_factory=list)  # its KV blocks, in position order
+    block_hashes: list[int] = field(default_factory=list)  # of its full blocks, once cached
+    is_preempted: bool = False  # its blocks are given back; requeued once no step holds it
+    # its prefill at its (last) admission: prompt, and a resumed one's output so far; how many
+    # of those tokens steps were planned for (the prefix cache's first), and computed
+    prefill_ids: list[int] = field(default_factory=list)
+    num_prefilled: int = 0
+    num_confirmed: int = 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.num_verify_emitted / self.num_verify_steps if self.num_verify_steps else 1.0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finish_reason: str | None
+    acceptance_length: float = 1.0  # the request's mean so far
+    # with params.logprobs, per new token: (its log-probability, [(id, log-probability)] of the
+    # top ones)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # the prompt's tokens 1.., once
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+
+@dataclass
+class StepStats:
+    num_rows: int = 0
+    num_extra_rows: int = 0  # rows of requests that had already ended (extra pass)
+    num_verify_rows: int = 0
+    num_draft_proposed: int = 0
+    num_draft_accepted: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # per draft position
+    num_preemptions: int = 0
+
+
+def row_logprobs(arrays: tuple | None, row: int, columns, n: int | None) -> list | None:
+    """(log-probability, top n [(id, log-probability)]) per column of a row of StepResult's
+    (chosen, top ids, top log-probabilities) arrays; None when the request asked for none."""
+    if n is None:
+        return None
+    chosen, top_ids, top_logprobs = arrays
+    return [
+        (
+            float(chosen[row, j]),
+            list(zip(top_ids[row, j, :n].tolist(), top_logprobs[row, j, :n].tolist())),
+        )
+        for j in columns
+    ]
