@@ -87,7 +87,7 @@ def run_config(spec: dict) -> dict:
         ),
         "peak_rss_mib": round(peak_rss_mib(), 1),
         "runner_log": [
-            line for line in capture.lines if "request slots" in line or "loaded" in line
+            line for line in capture.lines if "bytes per token" in line or "loaded" in line
         ],
         "output_ids": [r.output_ids for r in requests],
     }

@@ -156,7 +156,8 @@ class KVCache:
         tokens = self.num_blocks * self.block_size
         return (
             f"KV cache {self.bytes_per_token} bytes per token; {self.num_blocks} blocks of "
-            f"{self.block_size} = {tokens} tokens of KV fit; maximum concurrency "
+            f"{self.block_size} = {tokens} tokens of KV fit ({self.nbytes / 2**20:.1f} MiB, "
+            f"target and drafter); maximum concurrency "
             f"{tokens / max_model_len:.2f} requests at max_model_len {max_model_len} "
             f"({self.num_slots} request slots)"
         )

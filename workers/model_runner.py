@@ -72,10 +72,11 @@ class ModelRunner:
         )
         self._allocate(cache_len)
         log.info(
-            "rank %d: weights %.2f GiB on this rank; %s",
+            "rank %d: weights %.2f GiB on this rank; %s; Eagle3 resource manager %.1f MiB",
             self.rank,
             weight_bytes(self.target, self.drafter) / 2**30,
             self.kv.capacity(self.max_model_len),
+            self.resources.nbytes / 2**20,
         )
         self.graphs = StepGraphSet()
         if cfg.cuda_graphs and self.device.type == "cuda":
@@ -103,20 +104,6 @@ class ModelRunner:
         if drafter is not None:
             parts = (self.state, self.resources, self.kv)
             self.proposer = Proposer(drafter, *parts, self.K, self.M, cfg.prompt_lookup)
-        num_tokens = self.num_blocks * self.block_size
-        log.info(
-            "rank %d: KV pool of %d blocks x %d tokens = %d tokens, %.1f MiB (target + drafter): "
-            "%.2f requests at max_model_len %d; %d request slots; Eagle3 resource manager %.1f MiB",
-            self.rank,
-            self.num_blocks,
-            self.block_size,
-            num_tokens,
-            self.kv.nbytes / 2**20,
-            num_tokens / self.max_model_len,
-            self.max_model_len,
-            self.num_slots,
-            self.resources.nbytes / 2**20,
-        )
 
     # ---- the step ----
 
