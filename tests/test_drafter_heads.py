@@ -11,6 +11,7 @@ from tiny_families import write_flat_head, write_speculators_head, write_tiny_fa
 
 from speculative.config import SamplingParams
 from speculative.drafter_format import read_drafter_config
+from workers.attention import attention_inputs
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 
@@ -69,3 +70,40 @@ def test_unsupported_speculators_fields_refused_by_name(heads, tmp_path, changes
     (tmp_path / "config.json").write_text(json.dumps(config | changes))
     with pytest.raises(ValueError, match=named):
         read_drafter_config(tmp_path)
+
+
+def test_norm_before_residual_takes_the_normed_hidden_as_residual():
+    """The layer's output against its definition written out (speculators' and vLLM's): the
+    residual around attention is hidden_norm(hidden) with the flag, the raw hidden without; the
+    two differ, so the flag is read."""
+    import dataclasses
+
+    import torch
+    from tiny_models import attach_kv, prefill_batch
+
+    from speculative.drafter import DrafterConfig, Eagle3Drafter
+
+    cfg = DrafterConfig(
+        hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=64, draft_vocab_size=64,
+        target_hidden_size=32, aux_layer_ids=None,
+    )  # fmt: skip
+    outputs = {}
+    for flag in (False, True):
+        torch.manual_seed(0)
+        drafter = Eagle3Drafter(dataclasses.replace(cfg, norm_before_residual=flag))
+        for p in drafter.parameters():  # norm weights away from 1, so normalising shows
+            p.data.normal_(1.0 if p.dim() == 1 else 0.0, 0.3)
+        kv = attach_kv(drafter, 1, 32, drafter=True)
+        layer = drafter.midlayer
+        embeds, hidden = torch.randn(1, 5, 32), 3 * torch.randn(1, 5, 32)
+        batch = prefill_batch(kv, [0], torch.arange(5).unsqueeze(0), 5)
+        got = layer(embeds, hidden, batch)
+        kv.target.zero_()  # the reference writes the same K/V again
+        normed = layer.hidden_norm(hidden)
+        x = torch.cat([layer.input_layernorm(embeds), normed], dim=-1)
+        attn = layer.self_attn(x, batch, attention_inputs(batch, layer.self_attn, x.dtype))
+        h = (normed if flag else hidden) + attn
+        torch.testing.assert_close(got, h + layer.mlp(layer.post_attention_layernorm(h)))
+        outputs[flag] = got
+    assert not torch.allclose(outputs[False], outputs[True], atol=1e-3)
