@@ -1,5 +1,6 @@
-"""A new family through TP=2 on gloo (Ray workers): Qwen2's biased q/k/v projections shard
-with their heads (yarn RoPE), and greedy output stays transformers' token for token."""
+"""The families through TP=2 on gloo (Ray workers): Qwen2's biased q/k/v projections shard with
+their heads (yarn RoPE), Qwen3's per-head q/k norms, Llama 3.1's scaled RoPE and Mistral's layer;
+greedy output stays transformers' token for token."""
 
 import pytest
 import ray
@@ -17,7 +18,10 @@ def ray_cluster():
     ray.shutdown()
 
 
-@pytest.mark.parametrize("family, rope", [("qwen2", "yarn")])
+@pytest.mark.parametrize(
+    "family, rope",
+    [("qwen2", "yarn"), ("qwen3", "default"), ("llama", "llama3"), ("mistral", "default")],
+)
 def test_tp2_greedy_matches_transformers(tmp_path, family, rope):
     target = write_tiny_family(tmp_path / family, family, rope)
     prompts = tiny_prompts(3, vocab=96, seed=2, min_len=20, max_len=150)
