@@ -5,6 +5,7 @@ import asyncio
 import hmac
 import logging
 import uuid
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -14,6 +15,8 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.bodies import ChatBodies, CompletionBodies
+from deployments.chat_output import ChatOutput
+from deployments.chat_template import ChatTemplate
 from deployments.choices import Choice, ChoiceRun, seeded_apart
 from deployments.config import ServeConfig
 from deployments.llm_server import LLMServer, llm_server_options
@@ -32,6 +35,7 @@ from deployments.protocol import (
     request_schemas,
     validation_error,
 )
+from deployments.tools import constrained, forced_tool_call_schema, parser_for_template
 
 log = logging.getLogger("eagleserve.server")
 api = FastAPI(title="eagleserve")
@@ -88,6 +92,10 @@ class OpenAIIngress:
         model_dir = resolve_model(cfg.engine.model)
         self.tokenizer = load_tokenizer(model_dir)
         self.logprobs = LogprobFormatter(self.tokenizer)
+        self.template = ChatTemplate(self.tokenizer, cfg.chat_template)
+        self.tool_call_parser = cfg.tool_call_parser or parser_for_template(
+            self.template.source or ""
+        )
         self.capacity = None  # requests a replica takes at once, read from one on the first n > 1
         self.max_model_len = ModelConfig.from_hf(load_config(model_dir)).max_len(
             cfg.engine.max_model_len
@@ -205,26 +213,41 @@ class OpenAIIngress:
         await run.admit()
         if not req.stream:
             return await run.reply(bodies)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(run.sse(bodies, include_usage), media_type="text/event-stream")
+        options = req.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and options.continuous_usage_stats
+        return StreamingResponse(
+            run.sse(bodies, include_usage, continuous), media_type="text/event-stream"
+        )
 
-    def _chat_ids(self, messages) -> list[int]:
-        from speculative.engine import encode_prompt
-
-        return encode_prompt(
-            self.tokenizer,
-            [
-                {"role": m.role if m.role != "developer" else "system", "content": m.text()}
-                for m in messages
-            ],
+    def _chat_output(self, req, prompt_text: str):
+        """A choice's ChatOutput maker: what the reply is parsed for."""
+        choice = req.tool_choice
+        forced = choice.model_dump() if not isinstance(choice, str | None) else choice
+        is_forced = choice == "required" or isinstance(forced, dict)
+        thinking = None
+        if self.cfg.reasoning_parser == "think":  # a template may open the <think> itself
+            thinking = prompt_text.rstrip().endswith("<think>")
+        return partial(
+            ChatOutput,
+            self.tool_call_parser if req.uses_tools() and not is_forced else None,
+            req.parallel_tool_calls,
+            thinking,
+            forced if is_forced else None,
         )
 
     @api.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
     async def chat(self, request: Request):
         req = await self._parse(request, ChatCompletionRequest)
-        ids = self._chat_ids(req.messages)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        choice = req.tool_choice
+        schema = forced_tool_call_schema(tools, getattr(choice, "model_dump", lambda: choice)())
+        ids, prompt_text = self.template.encode(req, tools)
         choices = self._choices(req, [ids], req.max_completion_tokens or req.max_tokens, "messages")
-        bodies = ChatBodies(self.cfg.model_name, self.logprobs)
+        if schema is not None:  # the reply is the call: valid JSON for its parameters' schema
+            for c in choices:
+                c.params = constrained(c.params, schema)
+        bodies = ChatBodies(self.cfg.model_name, self.logprobs, self._chat_output(req, prompt_text))
         return await self._run(request, req, choices, len(ids), bodies)
 
     def _prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
@@ -263,7 +286,7 @@ class OpenAIIngress:
     async def tokenize(self, request: Request):
         req = await self._parse(request, TokenizeRequest)
         ids = (
-            self._chat_ids(req.messages)
+            self.template.encode(req)[0]
             if req.messages is not None
             else self.tokenizer.encode(req.prompt, add_special_tokens=False)
         )

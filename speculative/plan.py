@@ -17,6 +17,8 @@ class PrefillRow:
     params: SamplingParams
     stops_from: int = 0  # min_tokens: the first position at which EOS and stop tokens may come
     stop_ids: list[int] = field(default_factory=list)  # ... those tokens (with min_tokens only)
+    # the request's K: verification accepts at most this many drafts (16, K's bound: no limit)
+    num_draft_tokens: int = 16
 
 
 @dataclass
@@ -35,6 +37,7 @@ class StepPlan:
     use_logit_bias: bool = False  # some row has a logit_bias
     use_min_tokens: bool = False  # some row may still be short of its min_tokens
     num_prompt_logprobs: int | None = None  # some prefill wants its prompt's log-probabilities
+    use_draft_limits: bool = False  # some row's K is below the engine's (verified eagerly)
 
     @property
     def graphable(self) -> bool:
@@ -47,6 +50,7 @@ class StepPlan:
             and not self.use_logit_bias
             and self.num_prompt_logprobs is None
             and not self.use_min_tokens
+            and not self.use_draft_limits
         )
 
     @property

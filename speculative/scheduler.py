@@ -41,6 +41,7 @@ class Request:
     )
     # a resumed request's earlier output, min_tokens' (None until then)
     ends_with_stop_token: bool = False  # the last output token is the EOS or stop token
+    num_draft_tokens: int = 0  # drafts verified per step: the request's K, at most the engine's
 
     @property
     def is_finished(self) -> bool:
@@ -152,6 +153,11 @@ class Scheduler:
             and len(self.eos_token_ids | set(params.stop_token_ids)) > MAX_STOP_IDS
         ):
             raise RequestError(f"min_tokens holds back at most {MAX_STOP_IDS} EOS and stop tokens")
+        if (params.num_draft_tokens or 0) > self.k:
+            raise RequestError(
+                f"speculative.num_draft_tokens ({params.num_draft_tokens}) exceeds this server's "
+                f"{self.k} draft tokens per step"
+            )
         if params.prior_output_tokens > len(prompt_ids):
             raise RequestError("prior_output_tokens exceeds the prompt")
         if params.stop and self.tokenizer is None:
@@ -170,6 +176,8 @@ class Scheduler:
         request = Request(
             request_id, list(prompt_ids), params, seed, stops_after=None if params.min_tokens else 0
         )
+        k = params.num_draft_tokens
+        request.num_draft_tokens = self.k if k is None else k
         if params.prior_output_tokens and self.tokenizer is not None:
             # a resumed request's text goes on from its earlier output's: a stop string may span the
             # two, and what the failed engine held back (a possible stop string's start) is sent from here
@@ -251,7 +259,14 @@ class Scheduler:
         plan = StepPlan(
             step_id=step_id,
             prefills=[
-                PrefillRow(r.slot, r.prompt_ids, r.seed, r.params, *self._min_tokens_stops(r))
+                PrefillRow(
+                    r.slot,
+                    r.prompt_ids,
+                    r.seed,
+                    r.params,
+                    *self._min_tokens_stops(r),
+                    num_draft_tokens=r.num_draft_tokens,
+                )
                 for r in prefills
             ],
             decode_slots=[r.slot for r in decodes],
@@ -271,6 +286,7 @@ class Scheduler:
             ),
             use_logit_bias=any(r.params.logit_bias for r in rows),
             use_min_tokens=any(r.params.min_tokens > len(r.output_ids) for r in rows),
+            use_draft_limits=any(r.num_draft_tokens < self.k for r in rows),
             num_prompt_logprobs=max(
                 (
                     r.params.prompt_logprobs
@@ -333,10 +349,14 @@ class Scheduler:
         return outputs
 
     def _count_acceptance(self, r: Request, emitted: int) -> None:
+        """Only drafts that were verified count: none for a request that speculates with K=0,
+        its own K for one that lowered it."""
+        if not r.num_draft_tokens:
+            return
         r.num_verify_steps += 1
         r.num_verify_emitted += emitted
         self.stats.num_verify_rows += 1
-        self.stats.num_draft_proposed += self.k
+        self.stats.num_draft_proposed += r.num_draft_tokens
         self.stats.num_draft_accepted += emitted - 1
         for j in range(emitted - 1):
             self.stats.accepted_at[j] += 1
@@ -390,19 +410,21 @@ class Scheduler:
 
     @staticmethod
     def _find_stop(r: Request, text: str) -> int | None:
-        """Where the earliest stop string that ends after `r.stops_after` characters starts in the
-        text, if any does (None before min_tokens tokens: vLLM's rule, a stop string must end past
-        their text)."""
+        """Where the text ends at the earliest stop string that ends after `r.stops_after`
+        characters, if any does: where it starts, or where it ends with
+        include_stop_str_in_output (None before min_tokens tokens: vLLM's rule, a stop string
+        must end past their text)."""
         if r.stops_after is None:
             return None
         hits = [
-            at
-            for at in (
-                text.find(stop, max(0, r.stops_after - len(stop) + 1)) for stop in r.params.stop
-            )
-            if at >= 0
+            (at, len(stop))
+            for stop in r.params.stop
+            if (at := text.find(stop, max(0, r.stops_after - len(stop) + 1))) >= 0
         ]
-        return min(hits) if hits else None
+        if not hits:
+            return None
+        at, length = min(hits)
+        return at + length if r.params.include_stop_str_in_output else at
 
     def _detokenize(self, r: Request) -> str:
         """The text the new tokens add, decoding only a few tokens of context before them (a whole

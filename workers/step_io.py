@@ -74,6 +74,7 @@ def _prefill_inputs(plan: StepPlan) -> dict[str, torch.Tensor]:
         "prefill_lens": torch.tensor([len(p.token_ids) for p in rows]),
         "prefill_slots": torch.tensor([p.slot for p in rows]),
         "prefill_seeds": torch.tensor([p.seed for p in rows]),
+        "prefill_num_draft_tokens": torch.tensor([p.num_draft_tokens for p in rows]),
         "prefill_prior_output_tokens": torch.tensor([p.params.prior_output_tokens for p in rows]),
     }
     for name, dtype, _ in SAMPLING_FIELDS:

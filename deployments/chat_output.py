@@ -1,0 +1,158 @@
+"""A chat choice's text as OpenAI message deltas: reasoning in <think> tags (vLLM's
+`reasoning_content`), tool calls (deployments/tools.py) and content. Whole replies are their
+stream's deltas merged, so the two cannot differ."""
+
+from deployments.tools import CALL_STARTS, PARSE, call_id, parse_forced
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag`: held back until it is known."""
+    return max((k for k in range(1, len(tag)) if text.endswith(tag[:k])), default=0)
+
+
+class ReasoningSplitter:
+    """Text in and out of <think> ... </think> -> ("reasoning" | "content", text) pieces."""
+
+    def __init__(self, in_reasoning: bool):
+        self.in_reasoning, self.buffer = in_reasoning, ""
+
+    def feed(self, text: str, final: bool = False) -> list[tuple[str, str]]:
+        self.buffer += text
+        pieces = []
+        while True:
+            tag = "</think>" if self.in_reasoning else "<think>"
+            kind = "reasoning" if self.in_reasoning else "content"
+            before, found, after = self.buffer.partition(tag)
+            if not found:
+                break
+            pieces.append((kind, before))
+            self.in_reasoning, self.buffer = not self.in_reasoning, after.lstrip("\n")
+        keep = 0 if final else _partial_tag(self.buffer, tag)
+        pieces.append((kind, self.buffer[: len(self.buffer) - keep]))
+        self.buffer = self.buffer[len(self.buffer) - keep :]
+        return [(k, t) for k, t in pieces if t]
+
+
+def _call_deltas(index: int, call: dict) -> list[dict]:
+    """OpenAI's stream of one call: its id and name first, then its arguments."""
+    head = {"index": index, "id": call_id(), "type": "function"}
+    head["function"] = {"name": call["name"], "arguments": ""}
+    arguments = {"index": index, "function": {"arguments": call["arguments"]}}
+    return [{"tool_calls": [head]}, {"tool_calls": [arguments]}]
+
+
+class ToolCallStream:
+    """Content, with what may be a tool call held back until it is parsed. Hermes' calls go out as
+    each closes; plain and Llama JSON, which is all of a reply, at its end. A forced call
+    (tool_choice "required" or named) is the whole reply."""
+
+    def __init__(self, parser: str, is_parallel: bool, forced=None):
+        self.parser, self.is_parallel, self.forced = parser, is_parallel, forced
+        self.buffer, self.is_content, self.in_call, self.num_calls = "", False, False, 0
+
+    def _emit(self, calls: list[dict]) -> list[dict]:
+        deltas = []
+        for call in calls:
+            if self.num_calls and not self.is_parallel:
+                break  # parallel_tool_calls false: the first call only
+            deltas += _call_deltas(self.num_calls, call)
+            self.num_calls += 1
+        return deltas
+
+    def feed(self, text: str) -> list[dict]:
+        if self.is_content:
+            return [{"content": text}]
+        self.buffer += text
+        if self.forced is not None:
+            return []
+        if self.parser == "hermes":
+            return self._feed_hermes()
+        body = self.buffer.lstrip()
+        starts = CALL_STARTS[self.parser]
+        if not body or any(body.startswith(s) or s.startswith(body) for s in starts):
+            return []
+        self.is_content, self.buffer = True, ""
+        return [{"content": body}]
+
+    def _feed_hermes(self) -> list[dict]:
+        deltas = []
+        while True:
+            tag = "</tool_call>" if self.in_call else "<tool_call>"
+            before, found, after = self.buffer.partition(tag)
+            if not found:
+                break
+            if self.in_call:
+                _, calls = PARSE["hermes"](f"<tool_call>{before}</tool_call>")
+                deltas += self._emit(calls) if calls else [{"content": before}]
+            elif before.strip() or not self.num_calls:
+                deltas.append({"content": before})
+            self.in_call, self.buffer = not self.in_call, after
+        if not self.in_call:
+            keep = _partial_tag(self.buffer, "<tool_call>")
+            deltas.append({"content": self.buffer[: len(self.buffer) - keep]})
+            self.buffer = self.buffer[len(self.buffer) - keep :]
+        return [d for d in deltas if d.get("content") != ""]
+
+    def finish(self) -> list[dict]:
+        text, self.buffer = self.buffer, ""
+        if self.forced is not None:
+            return self._emit(parse_forced(text, self.forced))
+        if self.parser == "hermes" and self.in_call:
+            text = f"<tool_call>{text}"
+        if not text:
+            return []
+        content, calls = PARSE[self.parser](text)
+        return ([{"content": content}] if content else []) + self._emit(calls)
+
+
+class ChatOutput:
+    """One choice's deltas. parser: a tool-call parser name, or None when tools are not parsed;
+    in_reasoning: None without a reasoning parser, else whether the reply starts thinking."""
+
+    def __init__(self, parser=None, is_parallel=True, in_reasoning=None, forced=None):
+        self.reasoning = None if in_reasoning is None else ReasoningSplitter(in_reasoning)
+        self.tools = ToolCallStream(parser, is_parallel, forced) if parser or forced else None
+
+    @property
+    def has_tool_calls(self) -> bool:
+        return self.tools is not None and self.tools.num_calls > 0
+
+    def _content(self, text: str) -> list[dict]:
+        if self.tools is None:
+            return [{"content": text}] if text else []
+        return self.tools.feed(text) if text else []
+
+    def feed(self, text: str, final: bool = False) -> list[dict]:
+        pieces = self.reasoning.feed(text, final) if self.reasoning else [("content", text)]
+        deltas = []
+        for kind, piece in pieces:
+            if kind == "reasoning":
+                deltas.append({"reasoning_content": piece})
+            else:
+                deltas += self._content(piece)
+        if final and self.tools is not None:
+            deltas += self.tools.finish()
+        return deltas
+
+
+def merged_message(deltas: list[dict]) -> dict:
+    """A whole message from its deltas."""
+    content, reasoning, calls = [], [], {}
+    for d in deltas:
+        content.append(d.get("content", ""))
+        reasoning.append(d.get("reasoning_content", ""))
+        for c in d.get("tool_calls", []):
+            call = calls.setdefault(c["index"], {"id": None, "type": "function", "function": {}})
+            call["id"] = c.get("id", call["id"])
+            name = c["function"].get("name")
+            call["function"].setdefault("name", name)
+            arguments = call["function"].get("arguments", "") + c["function"].get("arguments", "")
+            call["function"]["arguments"] = arguments
+    message = {"role": "assistant", "content": "".join(content) or None, "refusal": None}
+    if any(reasoning):
+        message["reasoning_content"] = "".join(reasoning)
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    elif message["content"] is None:
+        message["content"] = ""
+    return message
