@@ -82,13 +82,16 @@ class ToolCallStream:
             if not found:
                 break
             if self.in_call:
-                _, calls = PARSE["hermes"](f"<tool_call>{before}</tool_call>")
-                deltas += self._emit(calls) if calls else [{"content": before}]
-            elif before.strip() or not self.num_calls:
+                text = f"<tool_call>{before}</tool_call>"
+                _, calls = PARSE["hermes"](text)
+                deltas += self._emit(calls) if calls else [{"content": text}]
+            elif before.strip() or not self.num_calls:  # not the space between calls
                 deltas.append({"content": before})
             self.in_call, self.buffer = not self.in_call, after
-        if not self.in_call:
-            keep = _partial_tag(self.buffer, "<tool_call>")
+        keep = _partial_tag(self.buffer, "<tool_call>")
+        if not self.in_call and (
+            self.buffer[: len(self.buffer) - keep].strip() or not self.num_calls
+        ):
             deltas.append({"content": self.buffer[: len(self.buffer) - keep]})
             self.buffer = self.buffer[len(self.buffer) - keep :]
         return [d for d in deltas if d.get("content") != ""]
@@ -99,7 +102,7 @@ class ToolCallStream:
             return self._emit(parse_forced(text, self.forced))
         if self.parser == "hermes" and self.in_call:
             text = f"<tool_call>{text}"
-        if not text:
+        if not text.strip() and self.num_calls:  # the space after the last call
             return []
         content, calls = PARSE[self.parser](text)
         return ([{"content": content}] if content else []) + self._emit(calls)

@@ -35,6 +35,7 @@ from deployments.protocol import (
     request_schemas,
     validation_error,
 )
+from deployments.replicas import labelled_lines, registry, summed
 from deployments.tools import constrained, forced_tool_call_schema, parser_for_template
 
 log = logging.getLogger("eagleserve.server")
@@ -101,6 +102,7 @@ class OpenAIIngress:
             cfg.engine.max_model_len
         )
         self.metrics = ingress_metrics()
+        self.registry = registry(serve.get_replica_context().app_name)
 
     def _authorize(self, request: Request) -> None:
         key = self.cfg.resolved_api_key
@@ -326,24 +328,32 @@ class OpenAIIngress:
             )
         return self._model_card()
 
-    @api.get("/health")
-    async def health(self):
-        try:  # a replica that does not answer is not healthy either
-            stats = await asyncio.wait_for(self.stats_handle.stats.remote(), timeout=5)
+    async def _replicas(self) -> dict[str, dict]:
+        """Every live replica's stats (deployments/replicas.py), the one the handle reaches fresh;
+        a 503 when that one does not answer."""
+        try:
+            fresh = await asyncio.wait_for(self.stats_handle.stats.remote(), timeout=5)
+            reported = await asyncio.wait_for(self.registry.live.remote(), timeout=5)
         except Exception as e:
             raise APIError(
                 503, f"the engine does not answer: {type(e).__name__}", "server_error"
             ) from None
-        if not stats["healthy"]:
-            raise APIError(503, "the engine is not healthy", "server_error")
-        return {"status": "ok"}
+        return reported | {fresh["replica"]: fresh}
+
+    @api.get("/health")
+    async def health(self):
+        """Healthy when every replica is."""
+        replicas = await self._replicas()
+        if sick := sorted(r for r, s in replicas.items() if not s["healthy"]):
+            raise APIError(503, f"replicas not healthy: {', '.join(sick)}", "server_error")
+        return {"status": "ok", "replicas": {r: "ok" for r in sorted(replicas)}}
 
     @api.get("/metrics")
     async def metrics(self):
-        return PlainTextResponse(
-            self.metrics.render(await self.stats_handle.stats.remote()),
-            media_type="text/plain; version=0.0.4",
-        )
+        """The engines' counts summed over the replicas, and per-replica gauges."""
+        replicas = await self._replicas()
+        text = self.metrics.render(summed(replicas)) + "\n".join(labelled_lines(replicas))
+        return PlainTextResponse(text + "\n", media_type="text/plain; version=0.0.4")
 
 
 def build_app(cfg: ServeConfig | dict):
