@@ -11,13 +11,20 @@ def _partial_tag(text: str, tag: str) -> int:
 
 
 class ReasoningSplitter:
-    """Text in and out of <think> ... </think> -> ("reasoning" | "content", text) pieces."""
+    """Text in and out of <think> ... </think> -> ("reasoning" | "content", text) pieces. The
+    newlines right after a tag are dropped, however the stream splits them."""
 
     def __init__(self, in_reasoning: bool):
-        self.in_reasoning, self.buffer = in_reasoning, ""
+        self.in_reasoning, self.buffer, self.after_tag = in_reasoning, "", in_reasoning
+
+    def _take(self, text: str) -> None:
+        if self.after_tag:
+            text = text.lstrip("\n")
+            self.after_tag = not text
+        self.buffer += text
 
     def feed(self, text: str, final: bool = False) -> list[tuple[str, str]]:
-        self.buffer += text
+        self._take(text)
         pieces = []
         while True:
             tag = "</think>" if self.in_reasoning else "<think>"
@@ -26,7 +33,8 @@ class ReasoningSplitter:
             if not found:
                 break
             pieces.append((kind, before))
-            self.in_reasoning, self.buffer = not self.in_reasoning, after.lstrip("\n")
+            self.in_reasoning, self.buffer, self.after_tag = not self.in_reasoning, "", True
+            self._take(after)
         keep = 0 if final else _partial_tag(self.buffer, tag)
         pieces.append((kind, self.buffer[: len(self.buffer) - keep]))
         self.buffer = self.buffer[len(self.buffer) - keep :]
