@@ -2,6 +2,8 @@
 `reasoning_content`), tool calls (deployments/tools.py) and content. Whole replies are their
 stream's deltas merged, so the two cannot differ."""
 
+from functools import partial
+
 from deployments.tools import CALL_STARTS, PARSE, call_id, parse_forced
 
 
@@ -144,6 +146,15 @@ class ChatOutput:
         if final and self.tools is not None:
             deltas += self.tools.finish()
         return deltas
+
+
+def output_maker(req, prompt_text: str, parser: str, reasoning_parser: str | None):
+    """A request's ChatOutput maker (one per choice): what its reply is parsed for."""
+    forced = req.tool_choice_value() if req.is_forced_tool_call() else None
+    # a template may open the <think> itself
+    thinking = prompt_text.rstrip().endswith("<think>") if reasoning_parser == "think" else None
+    tool_parser = parser if req.uses_tools() and forced is None else None
+    return partial(ChatOutput, tool_parser, req.parallel_tool_calls, thinking, forced)
 
 
 def merged_message(deltas: list[dict]) -> dict:

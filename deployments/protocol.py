@@ -334,6 +334,17 @@ class ChatCompletionRequest(_SamplingRequest):
         """The reply is parsed for tool calls (tool_choice none: tools are shown, never called)."""
         return bool(self.tools) and self.tool_choice != "none"
 
+    def is_forced_tool_call(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    def tool_dicts(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def tool_choice_value(self) -> str | dict | None:
+        """tool_choice as JSON values: a string, or a named function's object."""
+        choice = self.tool_choice
+        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+
     # ---- end issue 31b ----
 
     def num_logprobs(self) -> int | None:

@@ -5,7 +5,6 @@ import asyncio
 import hmac
 import logging
 import uuid
-from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -15,7 +14,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.bodies import ChatBodies, CompletionBodies
-from deployments.chat_output import ChatOutput
+from deployments.chat_output import output_maker
 from deployments.chat_template import ChatTemplate
 from deployments.choices import Choice, ChoiceRun, seeded_apart
 from deployments.config import ServeConfig
@@ -222,34 +221,20 @@ class OpenAIIngress:
             run.sse(bodies, include_usage, continuous), media_type="text/event-stream"
         )
 
-    def _chat_output(self, req, prompt_text: str):
-        """A choice's ChatOutput maker: what the reply is parsed for."""
-        choice = req.tool_choice
-        forced = choice.model_dump() if not isinstance(choice, str | None) else choice
-        is_forced = choice == "required" or isinstance(forced, dict)
-        thinking = None
-        if self.cfg.reasoning_parser == "think":  # a template may open the <think> itself
-            thinking = prompt_text.rstrip().endswith("<think>")
-        return partial(
-            ChatOutput,
-            self.tool_call_parser if req.uses_tools() and not is_forced else None,
-            req.parallel_tool_calls,
-            thinking,
-            forced if is_forced else None,
-        )
-
     @api.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
     async def chat(self, request: Request):
         req = await self._parse(request, ChatCompletionRequest)
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        choice = req.tool_choice
-        schema = forced_tool_call_schema(tools, getattr(choice, "model_dump", lambda: choice)())
+        tools = req.tool_dicts()
+        schema = forced_tool_call_schema(tools, req.tool_choice_value())
         ids, prompt_text = self.template.encode(req, tools)
         choices = self._choices(req, [ids], req.max_completion_tokens or req.max_tokens, "messages")
         if schema is not None:  # the reply is the call: valid JSON for its parameters' schema
             for c in choices:
                 c.params = constrained(c.params, schema)
-        bodies = ChatBodies(self.cfg.model_name, self.logprobs, self._chat_output(req, prompt_text))
+        reading = (self.tool_call_parser, self.cfg.reasoning_parser)
+        bodies = ChatBodies(
+            self.cfg.model_name, self.logprobs, output_maker(req, prompt_text, *reading)
+        )
         return await self._run(request, req, choices, len(ids), bodies)
 
     def _prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
