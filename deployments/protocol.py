@@ -142,6 +142,11 @@ class NamedToolChoice(BaseModel):
     function: FunctionName
 
 
+def tool_dicts(tools: list[Tool] | None) -> list[dict] | None:
+    """The tools as the chat template takes them."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
 class SpeculativeOptions(BaseModel):
     """Our extension: speculation per request. num_draft_tokens 0 turns it off, fewer than the
     server's K lowers it; the output is exact either way."""
@@ -338,7 +343,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
     def tool_dicts(self) -> list[dict] | None:
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        return tool_dicts(self.tools)
 
     def tool_choice_value(self) -> str | dict | None:
         """tool_choice as JSON values: a string, or a named function's object."""
@@ -387,6 +392,16 @@ class TokenizeRequest(BaseModel):
     model: str
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    # ---- issue 31b: rendered as the chat endpoint renders them ----
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def tool_dicts(self) -> list[dict] | None:
+        return tool_dicts(self.tools)
+
+    # ---- end issue 31b ----
 
     @model_validator(mode="after")
     def _one_input(self):

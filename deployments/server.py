@@ -273,7 +273,7 @@ class OpenAIIngress:
     async def tokenize(self, request: Request):
         req = await self._parse(request, TokenizeRequest)
         ids = (
-            self.template.encode(req)[0]
+            self.template.encode(req, req.tool_dicts())[0]
             if req.messages is not None
             else self.tokenizer.encode(req.prompt, add_special_tokens=False)
         )
