@@ -2,6 +2,8 @@
 `reasoning_content`), tool calls (deployments/tools.py) and content. Whole replies are their
 stream's deltas merged, so the two cannot differ."""
 
+import json
+import re
 from functools import partial
 
 from deployments.tools import CALL_STARTS, PARSE, call_id, parse_forced
@@ -51,14 +53,40 @@ def _call_deltas(index: int, call: dict) -> list[dict]:
     return [{"tool_calls": [head]}, {"tool_calls": [arguments]}]
 
 
+# a call's text up to its arguments object: {"name": "...", "arguments": (or "parameters":)
+_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
+)
+
+
+def _object_end(text: str) -> int | None:
+    """The end of the JSON object or array `text` starts with; None while it is open."""
+    depth, in_string, escaped = 0, False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            escaped, in_string = ch == "\\" and not escaped, in_string and (ch != '"' or escaped)
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
 class ToolCallStream:
-    """Content, with what may be a tool call held back until it is parsed. Hermes' calls go out as
-    each closes; plain and Llama JSON, which is all of a reply, at its end. A forced call
-    (tool_choice "required" or named) is the whole reply."""
+    """Content, with what may be a tool call held back until it is known. A call whose text starts
+    {"name": ..., "arguments": {...  streams as it comes: its id and name, then its arguments as
+    they grow (the model's own text). Other calls go out whole once parsed: Hermes' as each
+    closes, plain and Llama JSON (all of a reply) at its end. A forced call (tool_choice
+    "required" or named) is the whole reply."""
 
     def __init__(self, parser: str, is_parallel: bool, forced=None):
         self.parser, self.is_parallel, self.forced = parser, is_parallel, forced
         self.buffer, self.is_content, self.in_call, self.num_calls = "", False, False, 0
+        self.args_sent = None  # the streaming call's argument characters sent; None: none streams
 
     def _emit(self, calls: list[dict]) -> list[dict]:
         deltas = []
@@ -68,6 +96,33 @@ class ToolCallStream:
             deltas += _call_deltas(self.num_calls, call)
             self.num_calls += 1
         return deltas
+
+    def _stream(self, body: str) -> list[dict]:
+        """The call being written: its head once its name is known, then new argument text."""
+        head = _HEAD.match(body)
+        if head is None or (self.num_calls and not self.is_parallel):
+            return []
+        deltas, index = [], self.num_calls
+        if self.args_sent is None:
+            name = json.loads(f'"{head.group(1)}"')
+            deltas = _call_deltas(index, {"name": name, "arguments": ""})[:1]
+            self.args_sent = 0
+        arguments = body[head.end() :]
+        arguments = arguments[: _object_end(arguments) or len(arguments)]
+        if len(arguments) > self.args_sent:
+            fragment = arguments[self.args_sent :]
+            deltas.append({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]})
+            self.args_sent = len(arguments)
+        return deltas
+
+    def _close(self, body: str, calls: list[dict]) -> list[dict]:
+        """A call's text is complete: the rest of the streaming one and the calls after it, or all
+        `calls` when none streamed."""
+        if self.args_sent is None:
+            return self._emit(calls)
+        deltas = self._stream(body)
+        self.num_calls, self.args_sent = self.num_calls + 1, None
+        return deltas + self._emit(calls[1:])
 
     def feed(self, text: str) -> list[dict]:
         if self.is_content:
@@ -80,7 +135,7 @@ class ToolCallStream:
         body = self.buffer.lstrip()
         starts = CALL_STARTS[self.parser]
         if not body or any(body.startswith(s) or s.startswith(body) for s in starts):
-            return []
+            return self._stream(body.removeprefix("<|python_tag|>"))
         self.is_content, self.buffer = True, ""
         return [{"content": body}]
 
@@ -94,14 +149,15 @@ class ToolCallStream:
             if self.in_call:
                 text = f"<tool_call>{before}</tool_call>"
                 _, calls = PARSE["hermes"](text)
-                deltas += self._emit(calls) if calls else [{"content": text}]
+                streaming = self.args_sent is not None
+                deltas += self._close(before, calls) if calls or streaming else [{"content": text}]
             elif before.strip() or not self.num_calls:  # not the space between calls
                 deltas.append({"content": before})
             self.in_call, self.buffer = not self.in_call, after
+        if self.in_call:
+            return deltas + self._stream(self.buffer)
         keep = _partial_tag(self.buffer, "<tool_call>")
-        if not self.in_call and (
-            self.buffer[: len(self.buffer) - keep].strip() or not self.num_calls
-        ):
+        if self.buffer[: len(self.buffer) - keep].strip() or not self.num_calls:
             deltas.append({"content": self.buffer[: len(self.buffer) - keep]})
             self.buffer = self.buffer[len(self.buffer) - keep :]
         return [d for d in deltas if d.get("content") != ""]
@@ -110,11 +166,14 @@ class ToolCallStream:
         text, self.buffer = self.buffer, ""
         if self.forced is not None:
             return self._emit(parse_forced(text, self.forced))
+        body = text.lstrip().removeprefix("<|python_tag|>")
         if self.parser == "hermes" and self.in_call:
-            text = f"<tool_call>{text}"
+            text, body = f"<tool_call>{text}", text
         if not text.strip() and self.num_calls:  # the space after the last call
             return []
         content, calls = PARSE[self.parser](text)
+        if self.args_sent is not None:  # announced: its text is a call, whatever else follows
+            return self._close(body, calls)
         return ([{"content": content}] if content else []) + self._emit(calls)
 
 

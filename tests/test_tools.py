@@ -86,6 +86,7 @@ def test_streamed_call_sends_id_and_name_first():
         "arguments": "",
     }
     assert "".join(d["function"]["arguments"] for d in rest) == ARGS
+    assert len(rest) > 3  # the arguments as they grow, not at the end
     assert all("id" not in d and "name" not in d["function"] for d in rest)
 
 
@@ -175,3 +176,29 @@ def test_a_template_file_gets_tools_history_names_and_kwargs(tokenizer, tmp_path
 def test_a_missing_template_file_is_a_config_error(tmp_path):
     with pytest.raises(ValidationError, match="not a file"):
         ServeConfig(chat_template=str(tmp_path / "none.jinja"))
+
+
+@pytest.mark.parametrize(
+    "forced, text",
+    [
+        ({"type": "function", "function": {"name": "get_weather"}}, ARGS),
+        ("required", json.dumps([{"name": "get_weather", "parameters": CALL["arguments"]}])),
+    ],
+)
+def test_forced_replies_are_read_as_calls(forced, text):
+    """tool_choice named or "required": the constrained reply (vLLM's shapes) is the call."""
+    message = _message(text, forced=forced)
+    assert message["content"] is None
+    assert _calls(message) == [("get_weather", CALL["arguments"])]
+
+
+@pytest.mark.parametrize("parser", ["hermes", "json", "llama3_json"])
+def test_streamed_arguments_are_the_models_text(parser):
+    """Braces and quotes inside strings do not end the arguments; they are the model's own text."""
+    arguments = '{"q": "a \\"}\\" b {", "n": [1, {"x": 2}]}'
+    call = f'{{"name": "search", "arguments": {arguments}}}'
+    text = f"<tool_call>{call}</tool_call>" if parser == "hermes" else call
+    message = _message(text, parser)
+    [tool_call] = message["tool_calls"]
+    assert tool_call["function"] == {"name": "search", "arguments": arguments}
+    assert json.loads(arguments)["q"] == 'a "}" b {'
