@@ -63,7 +63,7 @@ class SlotState:
         slots = inp["prefill_slots"]
         self.seeds.index_copy_(0, slots, inp["prefill_seeds"])
         self.draft_limit.index_copy_(0, slots, inp["prefill_num_draft_tokens"])
-        for name, dtype, _ in SAMPLING_FIELDS:
+        for name, _, _ in SAMPLING_FIELDS:
             getattr(self, name).index_copy_(0, slots, inp[f"prefill_{name}"])
         if plan.use_logit_bias:
             self.bias_ids.index_copy_(0, slots, inp["prefill_bias_ids"])
