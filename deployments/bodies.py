@@ -1,6 +1,7 @@
 """The response bodies of the two generation endpoints, whole and as stream chunks, in OpenAI's
 published schema (tests/openai_schema)."""
 
+from deployments.chat_output import ChatOutput, merged_message
 from deployments.choices import Choice
 from deployments.logprobs import LogprobFormatter, TextOffsets
 from deployments.protocol import completion_id, now
@@ -27,33 +28,53 @@ class _Bodies:
 
 
 class ChatBodies(_Bodies):
+    """new_output: a choice's ChatOutput (deployments/chat_output.py: reasoning, tool calls)."""
+
     prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, model: str, formatter: LogprobFormatter):
+    def __init__(self, model: str, formatter: LogprobFormatter, new_output=ChatOutput):
         super().__init__(model, formatter)
         self.sent_role = set()  # choices whose first chunk went out
+        self.new_output, self.outputs = new_output, {}
+
+    def _output(self, c: Choice) -> ChatOutput:
+        if c.index not in self.outputs:
+            self.outputs[c.index] = self.new_output()
+        return self.outputs[c.index]
+
+    def _finish(self, c: Choice, finish: str | None) -> str | None:
+        return "tool_calls" if finish == "stop" and self._output(c).has_tool_calls else finish
 
     def _choice(self, c: Choice) -> dict:
         wanted = c.params.logprobs is not None
+        deltas = self._output(c).feed("".join(c.text), final=True)
         return {
             "index": c.index,
-            "message": {"role": "assistant", "content": "".join(c.text), "refusal": None},
-            "finish_reason": c.finish,
+            "message": merged_message(deltas),
+            "finish_reason": self._finish(c, c.finish),
             "logprobs": self.formatter.chat(c.logprobs if wanted else None),
         }
 
-    def chunk(self, c: Choice, text: str, finish: str | None, logprobs: list | None) -> dict:
-        delta = {"content": text} if text else {}
-        if c.index not in self.sent_role:
-            delta["role"] = "assistant"
-            self.sent_role.add(c.index)
-        choice = {
-            "index": c.index,
-            "delta": delta,
-            "finish_reason": finish,
-            "logprobs": self.formatter.chat(logprobs),
-        }
-        return self._head(self.chunk_object) | {"choices": [choice]}
+    def chunks(self, c: Choice, text: str, finish: str | None, logprobs: list | None) -> list:
+        """The chunks of a choice's new text: one per delta, the last with the finish reason and
+        the text's log-probabilities; none while the text is held back."""
+        deltas = self._output(c).feed(text, final=finish is not None)
+        if not deltas and (finish or logprobs):
+            deltas = [{}]
+        chunks = []
+        for i, delta in enumerate(deltas):
+            if c.index not in self.sent_role:
+                delta = {"role": "assistant"} | delta
+                self.sent_role.add(c.index)
+            last = i == len(deltas) - 1
+            choice = {
+                "index": c.index,
+                "delta": delta,
+                "finish_reason": self._finish(c, finish) if last else None,
+                "logprobs": self.formatter.chat(logprobs if last else None),
+            }
+            chunks.append(self._head(self.chunk_object) | {"choices": [choice]})
+        return chunks
 
 
 class CompletionBodies(_Bodies):
@@ -89,5 +110,6 @@ class CompletionBodies(_Bodies):
         wanted = c.params.logprobs is not None
         return self._body(c, "".join(c.text), c.finish, c.logprobs if wanted else None)
 
-    def chunk(self, c: Choice, text: str, finish: str | None, logprobs: list | None) -> dict:
-        return self._head(self.chunk_object) | {"choices": [self._body(c, text, finish, logprobs)]}
+    def chunks(self, c: Choice, text: str, finish: str | None, logprobs: list | None) -> list:
+        body = self._body(c, text, finish, logprobs)
+        return [self._head(self.chunk_object) | {"choices": [body]}]

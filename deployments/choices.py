@@ -229,15 +229,19 @@ class ChoiceRun:
                 choice.logprobs += choice.token_logprobs(item) or []
         return bodies.full(self.choices, self.usage())
 
-    async def sse(self, bodies, include_usage: bool):
+    async def sse(self, bodies, include_usage: bool, continuous_usage: bool = False):
+        """continuous_usage (vLLM's continuous_usage_stats): every chunk has the usage so far."""
         try:
             async with contextlib.aclosing(self.items()) as items:  # closed if the client goes
                 async for choice, item in items:
                     logprobs = choice.token_logprobs(item)
-                    if item.text_delta or item.finish_reason or logprobs:
-                        chunk = bodies.chunk(choice, item.text_delta, item.finish_reason, logprobs)
+                    if not (item.text_delta or item.finish_reason or logprobs):
+                        continue
+                    for chunk in bodies.chunks(
+                        choice, item.text_delta, item.finish_reason, logprobs
+                    ):
                         if include_usage:  # OpenAI: every chunk has the field, null until the last
-                            chunk["usage"] = None
+                            chunk["usage"] = self.usage() if continuous_usage else None
                         yield f"data: {json.dumps(chunk)}\n\n"
             if include_usage:
                 yield f"data: {json.dumps(bodies.usage_chunk(self.usage()))}\n\n"

@@ -2,9 +2,10 @@
 
 import os
 from pathlib import Path
+from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, field_validator
 
 from speculative.config import EngineConfig
 
@@ -37,6 +38,20 @@ class ServeConfig(BaseModel):
     # must hold what the rank takes (1 GPU on GPUs, 1 CPU on CPUs). None: exactly that
     rank_resources: dict[str, NonNegativeFloat] | None = None
     ray_address: str | None = None  # join a cluster instead of starting local Ray
+    # ---- issue 31b: chat templates and tool calls ----
+    chat_template: str | None = None  # a Jinja template file replacing the model's
+    # how replies' tool calls are read; None: chosen from the chat template (deployments/tools.py)
+    tool_call_parser: Literal["hermes", "llama3_json", "json"] | None = None
+    reasoning_parser: Literal["think"] | None = None  # "think": <think> text is reasoning_content
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_file(cls, path):
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"chat_template {path!r} is not a file")
+        return path
+
+    # ---- end issue 31b ----
 
     @property
     def model_name(self) -> str:

@@ -10,6 +10,7 @@ from ray import serve
 
 from deployments.config import ServeConfig
 from deployments.protocol import APIError
+from deployments.replicas import registry
 from speculative.config import SamplingParams
 from speculative.request import RequestError, RequestOutput
 
@@ -24,6 +25,16 @@ class LLMServer:
         self.cfg = cfg
         self.coordinator = Coordinator(cfg.engine)
         self.num_requests = 0  # accepted by this replica (replica_info)
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self.registry = registry(context.app_name)  # /metrics and /health read every replica's
+        self._report()
+
+    def _report(self) -> None:
+        self.registry.report.remote(self.replica_id, self.stats())
+
+    def __del__(self):  # Serve's graceful shutdown: this replica is gone, not failing
+        self.registry.forget.remote(self.replica_id)
 
     def __del__(self):
         # Serve calls it when the replica stops: the engine's workers go, and its socket directory
@@ -67,9 +78,10 @@ class LLMServer:
         finally:
             c.abort(request_id)
             log.info("request %s: done", request_id)
+            self._report()
 
     def stats(self) -> dict:
-        return self.coordinator.stats()
+        return self.coordinator.stats() | {"replica": self.replica_id}
 
     async def replica_info(self) -> dict:
         """This replica's process and node, its ranks' (placement checks, fault tests), its step and
@@ -86,6 +98,7 @@ class LLMServer:
         }
 
     def check_health(self) -> None:
+        self._report()
         c = self.coordinator
         if c.error:
             raise RuntimeError(f"decode loop failed: {c.error}")

@@ -18,7 +18,7 @@ from pydantic import (
 )
 from pydantic.json_schema import models_json_schema
 
-from speculative.config import LogitBiasValue, SamplingParams
+from speculative.config import MAX_STOP_STRINGS, LogitBiasValue, SamplingParams
 
 
 class APIError(Exception):
@@ -82,25 +82,97 @@ class TextPart(BaseModel):
     text: str
 
 
+# ---- issue 31b: tool calls in the history, tool messages, names ----
+
+
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
-    name: str | None = None
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None  # passed to the chat template
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message answers this call
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content may be null only in an assistant message with tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return (
             self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
         )
 
 
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+def tool_dicts(tools: list[Tool] | None) -> list[dict] | None:
+    """The tools as the chat template takes them."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
+class SpeculativeOptions(BaseModel):
+    """Our extension: speculation per request. num_draft_tokens 0 turns it off, fewer than the
+    server's K lowers it; the output is exact either way."""
+
+    model_config = ConfigDict(extra="forbid")
+    num_draft_tokens: int = Field(ge=0, le=16)
+
+
+# ---- end issue 31b ----
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 # What the validators below accept, for the OpenAPI schema (pydantic cannot derive it from them)
 _NON_EMPTY = {"type": "string", "minLength": 1}
 _STOP = WithJsonSchema(
-    {"anyOf": [_NON_EMPTY, {"type": "array", "items": _NON_EMPTY, "maxItems": 4}, {"type": "null"}]}
+    {
+        "anyOf": [
+            _NON_EMPTY,
+            {"type": "array", "items": _NON_EMPTY, "maxItems": MAX_STOP_STRINGS},
+            {"type": "null"},
+        ]
+    }
 )
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 _PROMPT = WithJsonSchema(
@@ -163,6 +235,10 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: TokenIds | None = _like("stop_token_ids", None)
     logit_bias: dict[str, LogitBiasValue] | None = _like("logit_bias", None)
     user: str | None = None
+    # ---- issue 31b ----
+    include_stop_str_in_output: bool = False  # vLLM's
+    speculative: SpeculativeOptions | None = None  # ours
+    # ---- end issue 31b ----
 
     @model_validator(mode="before")
     @classmethod
@@ -191,8 +267,8 @@ class _SamplingRequest(BaseModel):
     @classmethod
     def _stop_list(cls, v):
         stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop must be up to 4 non-empty strings")
+        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+            raise ValueError(f"stop must be up to {MAX_STOP_STRINGS} non-empty strings")
         return stops
 
     def num_logprobs(self) -> int | None:
@@ -224,6 +300,8 @@ class _SamplingRequest(BaseModel):
             repetition_penalty=self.repetition_penalty,
             min_tokens=self.min_tokens,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            num_draft_tokens=self.speculative and self.speculative.num_draft_tokens,
         )
 
 
@@ -234,6 +312,45 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = _like("logprobs", None)
 
     _top_needs_logprobs = field_validator("top_logprobs")(_only_with("logprobs"))
+    # ---- issue 31b: tools and chat template controls ----
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict | None = None  # passed to the template (e.g. enable_thinking)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the reply goes on from the last (assistant) message
+
+    @model_validator(mode="after")
+    def _check_chat_controls(self):
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+            t.function.name for t in self.tools or []
+        }:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
+        if choice == "required" and not self.tools:
+            raise ValueError("tool_choice 'required' needs tools")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt false")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
+        return self
+
+    def uses_tools(self) -> bool:
+        """The reply is parsed for tool calls (tool_choice none: tools are shown, never called)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def is_forced_tool_call(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    def tool_dicts(self) -> list[dict] | None:
+        return tool_dicts(self.tools)
+
+    def tool_choice_value(self) -> str | dict | None:
+        """tool_choice as JSON values: a string, or a named function's object."""
+        choice = self.tool_choice
+        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+
+    # ---- end issue 31b ----
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -275,6 +392,16 @@ class TokenizeRequest(BaseModel):
     model: str
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    # ---- issue 31b: rendered as the chat endpoint renders them ----
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def tool_dicts(self) -> list[dict] | None:
+        return tool_dicts(self.tools)
+
+    # ---- end issue 31b ----
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -293,9 +420,6 @@ KNOWN_FIELDS = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.m
 # OpenAI's options we do not implement, and the values of each that ask for what we do anyway
 NO_OP_VALUES = {
     "response_format": [{"type": "text"}],
-    "tools": [[]],
-    "tool_choice": ["none"],
-    "parallel_tool_calls": [False],
     "metadata": [{}],
     "store": [False],
     "service_tier": ["auto", "default"],
@@ -350,8 +474,8 @@ def field_path(loc: tuple) -> str:
 # what a field of several forms may be, for an error that fits none of them
 _FORMS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
-    "content": "a string or a list of text parts",
-    "stop": "a string or a list of up to 4 strings",
+    "content": "a string, a list of text parts or (assistant with tool_calls) null",
+    "stop": f"a string or a list of up to {MAX_STOP_STRINGS} strings",
 }
 
 

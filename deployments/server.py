@@ -14,6 +14,8 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.bodies import ChatBodies, CompletionBodies
+from deployments.chat_output import output_maker
+from deployments.chat_template import ChatTemplate
 from deployments.choices import Choice, ChoiceRun, seeded_apart
 from deployments.config import ServeConfig
 from deployments.llm_server import LLMServer, llm_server_options
@@ -32,6 +34,8 @@ from deployments.protocol import (
     request_schemas,
     validation_error,
 )
+from deployments.replicas import labelled_lines, registry, summed
+from deployments.tools import constrained, forced_tool_call_schema, parser_for_template
 
 log = logging.getLogger("eagleserve.server")
 api = FastAPI(title="eagleserve")
@@ -88,11 +92,16 @@ class OpenAIIngress:
         model_dir = resolve_model(cfg.engine.model)
         self.tokenizer = load_tokenizer(model_dir)
         self.logprobs = LogprobFormatter(self.tokenizer)
+        self.template = ChatTemplate(self.tokenizer, cfg.chat_template)
+        self.tool_call_parser = cfg.tool_call_parser or parser_for_template(
+            self.template.source or ""
+        )
         self.capacity = None  # requests a replica takes at once, read from one on the first n > 1
         self.max_model_len = ModelConfig.from_hf(load_config(model_dir)).max_len(
             cfg.engine.max_model_len
         )
         self.metrics = ingress_metrics()
+        self.registry = registry(serve.get_replica_context().app_name)
 
     def _authorize(self, request: Request) -> None:
         key = self.cfg.resolved_api_key
@@ -205,26 +214,27 @@ class OpenAIIngress:
         await run.admit()
         if not req.stream:
             return await run.reply(bodies)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(run.sse(bodies, include_usage), media_type="text/event-stream")
-
-    def _chat_ids(self, messages) -> list[int]:
-        from speculative.engine import encode_prompt
-
-        return encode_prompt(
-            self.tokenizer,
-            [
-                {"role": m.role if m.role != "developer" else "system", "content": m.text()}
-                for m in messages
-            ],
+        options = req.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and options.continuous_usage_stats
+        return StreamingResponse(
+            run.sse(bodies, include_usage, continuous), media_type="text/event-stream"
         )
 
     @api.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
     async def chat(self, request: Request):
         req = await self._parse(request, ChatCompletionRequest)
-        ids = self._chat_ids(req.messages)
+        tools = req.tool_dicts()
+        schema = forced_tool_call_schema(tools, req.tool_choice_value())
+        ids, prompt_text = self.template.encode(req, tools)
         choices = self._choices(req, [ids], req.max_completion_tokens or req.max_tokens, "messages")
-        bodies = ChatBodies(self.cfg.model_name, self.logprobs)
+        if schema is not None:  # the reply is the call: valid JSON for its parameters' schema
+            for c in choices:
+                c.params = constrained(c.params, schema)
+        reading = (self.tool_call_parser, self.cfg.reasoning_parser)
+        bodies = ChatBodies(
+            self.cfg.model_name, self.logprobs, output_maker(req, prompt_text, *reading)
+        )
         return await self._run(request, req, choices, len(ids), bodies)
 
     def _prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
@@ -263,7 +273,7 @@ class OpenAIIngress:
     async def tokenize(self, request: Request):
         req = await self._parse(request, TokenizeRequest)
         ids = (
-            self._chat_ids(req.messages)
+            self.template.encode(req, req.tool_dicts())[0]
             if req.messages is not None
             else self.tokenizer.encode(req.prompt, add_special_tokens=False)
         )
@@ -303,24 +313,32 @@ class OpenAIIngress:
             )
         return self._model_card()
 
-    @api.get("/health")
-    async def health(self):
-        try:  # a replica that does not answer is not healthy either
-            stats = await asyncio.wait_for(self.stats_handle.stats.remote(), timeout=5)
+    async def _replicas(self) -> dict[str, dict]:
+        """Every live replica's stats (deployments/replicas.py), the one the handle reaches fresh;
+        a 503 when that one does not answer."""
+        try:
+            fresh = await asyncio.wait_for(self.stats_handle.stats.remote(), timeout=5)
+            reported = await asyncio.wait_for(self.registry.live.remote(), timeout=5)
         except Exception as e:
             raise APIError(
                 503, f"the engine does not answer: {type(e).__name__}", "server_error"
             ) from None
-        if not stats["healthy"]:
-            raise APIError(503, "the engine is not healthy", "server_error")
-        return {"status": "ok"}
+        return reported | {fresh["replica"]: fresh}
+
+    @api.get("/health")
+    async def health(self):
+        """Healthy when every replica is."""
+        replicas = await self._replicas()
+        if sick := sorted(r for r, s in replicas.items() if not s["healthy"]):
+            raise APIError(503, f"replicas not healthy: {', '.join(sick)}", "server_error")
+        return {"status": "ok", "replicas": {r: "ok" for r in sorted(replicas)}}
 
     @api.get("/metrics")
     async def metrics(self):
-        return PlainTextResponse(
-            self.metrics.render(await self.stats_handle.stats.remote()),
-            media_type="text/plain; version=0.0.4",
-        )
+        """The engines' counts summed over the replicas, and per-replica gauges."""
+        replicas = await self._replicas()
+        text = self.metrics.render(summed(replicas)) + "\n".join(labelled_lines(replicas))
+        return PlainTextResponse(text + "\n", media_type="text/plain; version=0.0.4")
 
 
 def build_app(cfg: ServeConfig | dict):

@@ -72,6 +72,7 @@ class PrefillPlanning:
         row.num_resumed, row.start = len(r.prefill_ids) - len(r.prompt_ids), start
         row.next_token = r.prefill_ids[end] if end < len(r.prefill_ids) else -1
         row.is_continued = is_continued
+        row.num_draft_tokens = r.num_draft_tokens
         r.num_prefilled = end
         return row
 

@@ -6,6 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, mode
 
 GREEDY_BELOW = 1e-5  # temperatures under it decode greedily, as in vLLM
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
+MAX_STOP_STRINGS = 1024  # each is searched for after every token, on the engine's thread
 MAX_STOP_IDS = 80  # EOS ids + stop_token_ids that min_tokens holds back, per request
 LogitBiasValue = Annotated[
     float, Strict(), Field(ge=-100.0, le=100.0)
@@ -21,7 +22,7 @@ class SamplingParams(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0)  # 0: off
     seed: int | None = Field(None, ge=0, lt=2**63)
     max_tokens: int = Field(256, ge=1)
-    stop: list[str] = Field(default_factory=list, max_length=4)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     stop_token_ids: list[int] = Field(
         default_factory=list, max_length=64
     )  # end like EOS (vLLM's extension)
@@ -44,6 +45,9 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=20)
     # the same for the prompt's tokens (after the first)
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text
+    # per request: drafts verified per step, at most the engine's K; 0: no speculation. None: K
+    num_draft_tokens: int | None = Field(None, ge=0, le=16)
 
     @field_validator("temperature")
     @classmethod

@@ -18,17 +18,20 @@ def decode(tokenizer, r: Request) -> str:
 
 
 def find_stop(r: Request, text: str) -> int | None:
-    """Where the earliest stop string that ends after `r.stops_after` characters starts in the
-    text, if any does (None before min_tokens tokens: vLLM's rule, a stop string must end past
-    their text)."""
+    """Where the text ends at the earliest stop string that ends after `r.stops_after`
+    characters, if any does: where it starts, or where it ends with include_stop_str_in_output
+    (None before min_tokens tokens: vLLM's rule, a stop string must end past their text)."""
     if r.stops_after is None:
         return None
     hits = [
-        at
-        for at in (text.find(stop, max(0, r.stops_after - len(stop) + 1)) for stop in r.params.stop)
-        if at >= 0
+        (at, len(stop))
+        for stop in r.params.stop
+        if (at := text.find(stop, max(0, r.stops_after - len(stop) + 1))) >= 0
     ]
-    return min(hits) if hits else None
+    if not hits:
+        return None
+    at, length = min(hits)
+    return at + length if r.params.include_stop_str_in_output else at
 
 
 def detokenize(tokenizer, r: Request) -> str:

@@ -22,6 +22,8 @@ class PrefillRow:
     start: int = 0  # position of token_ids[0]: the K/V before it is cached or computed
     next_token: int = -1  # a chunk short of the prefill's end: the token after it (else -1)
     is_continued: bool = False  # a later chunk of a prefill that an earlier step began
+    # the request's K: verification accepts at most this many drafts (16, K's bound: no limit)
+    num_draft_tokens: int = 16
 
 
 @dataclass
@@ -43,6 +45,7 @@ class StepPlan:
     # the paged KV pool's block-table changes, (slot, index, block) each, applied after the
     # prefills' rows are reset; None: a hand-built plan over the contiguous per-slot layout
     block_updates: list[tuple[int, int, int]] | None = None
+    use_draft_limits: bool = False  # some row's K is below the engine's (verified eagerly)
 
     @property
     def graphable(self) -> bool:
@@ -55,6 +58,7 @@ class StepPlan:
             and not self.use_logit_bias
             and self.num_prompt_logprobs is None
             and not self.use_min_tokens
+            and not self.use_draft_limits
         )
 
     @property

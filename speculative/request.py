@@ -35,6 +35,7 @@ class Request:
     # earlier output, min_tokens' (None until then)
     stops_after: int | None = 0
     ends_with_stop_token: bool = False  # the last output token is the EOS or stop token
+    num_draft_tokens: int = 0  # drafts verified per step: the request's K, at most the engine's
     blocks: list[int] = field(default_factory=list)  # its KV blocks, in position order
     block_hashes: list[int] = field(default_factory=list)  # of its full blocks, once cached
     is_preempted: bool = False  # its blocks are given back; requeued once no step holds it

@@ -17,7 +17,7 @@ from speculative.plan import StepPlan, StepResult
 from speculative.request import Request, RequestError, RequestOutput, StepStats, row_logprobs
 
 
-def step_flags(rows: list[Request], prefills: list[Request]) -> dict:
+def step_flags(rows: list[Request], prefills: list[Request], k: int) -> dict:
     """What a step's rows need beyond greedy decoding (StepPlan's flags): steps without a
     feature do not pay for it, and greedy steps stay graphable."""
     params = [r.params for r in rows]
@@ -32,6 +32,7 @@ def step_flags(rows: list[Request], prefills: list[Request]) -> dict:
         ),
         use_logit_bias=any(p.logit_bias for p in params),
         use_min_tokens=any(r.params.min_tokens > len(r.output_ids) for r in rows),
+        use_draft_limits=any(r.num_draft_tokens < k for r in rows),
         num_prompt_logprobs=max((n for n in prompt_logprobs if n is not None), default=None),
     )
 
@@ -99,6 +100,11 @@ class Scheduler(PrefillPlanning):
             and len(self.eos_token_ids | set(params.stop_token_ids)) > MAX_STOP_IDS
         ):
             raise RequestError(f"min_tokens holds back at most {MAX_STOP_IDS} EOS and stop tokens")
+        if (params.num_draft_tokens or 0) > self.k:
+            raise RequestError(
+                f"speculative.num_draft_tokens ({params.num_draft_tokens}) exceeds this server's "
+                f"{self.k} draft tokens per step"
+            )
         if params.prior_output_tokens > len(prompt_ids):
             raise RequestError("prior_output_tokens exceeds the prompt")
         if params.stop and self.tokenizer is None:
@@ -119,6 +125,8 @@ class Scheduler(PrefillPlanning):
         request = Request(
             request_id, list(prompt_ids), params, seed, stops_after=None if params.min_tokens else 0
         )
+        k = params.num_draft_tokens
+        request.num_draft_tokens = self.k if k is None else k
         if params.prior_output_tokens and self.tokenizer is not None:
             # a resumed request's text goes on from its earlier output's: a stop string may span
             # the two, and what the failed engine held back (a possible stop string's start) is
@@ -214,7 +222,7 @@ class Scheduler(PrefillPlanning):
             decode_slots=[r.slot for r in decodes],
             free_slots=self.slots_to_release,
             kv_len=-(-span // 64) * 64,
-            **step_flags(rows, prefills),
+            **step_flags(rows, prefills, self.k),
         )
         plan.block_updates = updates
         self.slots_to_release = []
@@ -281,10 +289,14 @@ class Scheduler(PrefillPlanning):
         return outputs
 
     def _count_acceptance(self, r: Request, emitted: int) -> None:
+        """Only drafts that were verified count: none for a request that speculates with K=0,
+        its own K for one that lowered it."""
+        if not r.num_draft_tokens:
+            return
         r.num_verify_steps += 1
         r.num_verify_emitted += emitted
         self.stats.num_verify_rows += 1
-        self.stats.num_draft_proposed += self.k
+        self.stats.num_draft_proposed += r.num_draft_tokens
         self.stats.num_draft_accepted += emitted - 1
         for j in range(emitted - 1):
             self.stats.accepted_at[j] += 1

@@ -9,28 +9,42 @@ from speculative.sampling import ACCEPT_STREAM, SAMPLE_STREAM, SIBLING_STREAM, s
 
 
 def verify_greedy(
-    target_ids: torch.Tensor, drafts: torch.Tensor, siblings: torch.Tensor | None = None
+    target_ids: torch.Tensor,
+    drafts: torch.Tensor,
+    siblings: torch.Tensor | None = None,
+    draft_limit: torch.Tensor | None = None,
 ) -> tuple:
     """target_ids [B, T] the target's argmax at every node of the draft tree
     (speculative/draft_tree.py; T = K+1 for a chain), drafts [B, K] the chain, siblings [B, M, K] or
     None -> (tokens [B, K+1], num_emitted [B], path [B, K+1]: the node whose logits chose each
     token). Accept the longest prefix of the chain where draft == target argmax; where it stops
     short of K, the sibling of the first rejected draft that equals the target's token there, if
-    any; then the target's token after the last accepted node (bonus)."""
+    any; then the target's token after the last accepted node (bonus). draft_limit [B] or None:
+    each row's own K (`capped`)."""
     B, K = drafts.shape
     accepted = (drafts == target_ids[:, :K]).int().cumprod(-1).sum(-1)
+    accepted, limit = capped(accepted, draft_limit, K)
     tokens = target_ids[:, : K + 1]
     if siblings is None:
         return tokens, accepted + 1, chain_path(B, K, drafts.device)
     rows = torch.arange(B, device=drafts.device)
     depth = accepted.clamp(max=K - 1)  # of the first rejected draft, from 0
     hit = (siblings[rows, :, depth] == target_ids[rows, accepted].unsqueeze(1)) & (
-        accepted < K
+        accepted < limit
     ).unsqueeze(1)
     node = sibling_node(K, hit.int().argmax(1), depth)
     return _through_sibling(
         tokens, accepted, hit.any(1), node, target_ids[rows, accepted], target_ids[rows, node]
     )
+
+
+def capped(accepted: torch.Tensor, draft_limit: torch.Tensor | None, K: int) -> tuple:
+    """A row whose request verifies only its first k drafts (per-request K) accepts at most k,
+    and its draft k is not rejected but never proposed: the token there comes from the target's
+    whole distribution, as verification with K = k gives. -> (accepted [B], the limit [B] or K)."""
+    if draft_limit is None:
+        return accepted, K
+    return torch.minimum(accepted, draft_limit), draft_limit
 
 
 def _through_sibling(tokens, accepted, found, node, sibling, bonus) -> tuple:
@@ -54,6 +68,7 @@ def verify_sampled(
     u_sample: torch.Tensor,
     siblings: torch.Tensor | None = None,
     u_sibling: torch.Tensor | None = None,
+    draft_limit: torch.Tensor | None = None,
 ) -> tuple:
     """probs [B, T, V] target distributions at every node of the draft tree, drafts [B, K] the chain
     (greedy drafts: q is one-hot), u_accept [B, K] and u_sample [B, K+1] uniforms per position;
@@ -63,21 +78,23 @@ def verify_sampled(
     (max(p - q, 0) for one-hot q) and the siblings at that depth are tried in turn the same way
     against what is left, each accepted with its renormalised probability and removed when rejected;
     then a token is drawn from the remainder. After an accepted sibling the bonus is drawn from p at
-    the sibling's node. The result is distributed exactly as p."""
+    the sibling's node. The result is distributed exactly as p. draft_limit: as in
+    `verify_greedy`."""
     B, K = drafts.shape
     p_draft = probs[:, :K].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)  # [B, K]
     accepted = (u_accept < p_draft).int().cumprod(-1).sum(-1)  # [B]
+    accepted, limit = capped(accepted, draft_limit, K)
     rows = torch.arange(B, device=probs.device)
     residual = probs[rows, accepted]  # [B, V]
     if K > 0:
         rejected = drafts.gather(1, accepted.clamp(max=K - 1).unsqueeze(1)).squeeze(1)
-        keep = torch.where(accepted < K, 0.0, 1.0).to(residual.dtype)
+        keep = torch.where(accepted < limit, 0.0, 1.0).to(residual.dtype)
         residual = residual.scatter(
             1, rejected.unsqueeze(1), (residual[rows, rejected] * keep).unsqueeze(1)
         )
     if siblings is not None:
         depth = accepted.clamp(max=K - 1)
-        trying = accepted < K
+        trying = accepted < limit
         found = torch.zeros_like(trying)
         m_found = torch.zeros_like(accepted)
         for m in range(siblings.shape[1]):
@@ -100,7 +117,7 @@ def verify_sampled(
     return _through_sibling(tokens, accepted, found, node, siblings[rows, m_found, depth], after)
 
 
-def verify_seeded(probs, drafts, siblings, seeds, chain_positions) -> tuple:
+def verify_seeded(probs, drafts, siblings, seeds, chain_positions, draft_limit=None) -> tuple:
     """`verify_sampled` with each request's counter-based uniforms: seeds [B], the chain's
     positions [B, K+1] (the pending token's first); the other arguments as there."""
     u_sibling = None
@@ -110,4 +127,4 @@ def verify_seeded(probs, drafts, siblings, seeds, chain_positions) -> tuple:
         u_sibling = torch.stack(streams, 1)
     u_accept = uniform(seeds, chain_positions[:, 1:], ACCEPT_STREAM)
     u_sample = uniform(seeds, chain_positions + 1, SAMPLE_STREAM)
-    return verify_sampled(probs, drafts, u_accept, u_sample, siblings, u_sibling)
+    return verify_sampled(probs, drafts, u_accept, u_sample, siblings, u_sibling, draft_limit)

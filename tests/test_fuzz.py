@@ -212,6 +212,45 @@ _message = st.fixed_dictionaries(
         ),
     }
 )
+# ---- issue 31b's fields: tools, tool-call history, template controls, per-request K ----
+_tool = st.fixed_dictionaries(
+    {
+        "type": st.sampled_from(["function", "x"]),
+        "function": st.fixed_dictionaries(
+            {"name": st.sampled_from(["f", "get_weather", "", "a b"]) | _text, "parameters": _json}
+        ),
+    }
+)
+_tool_call = st.fixed_dictionaries(
+    {
+        "id": _text,
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries({"name": _text, "arguments": _text | _json}),
+    }
+)
+_history_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["assistant", "tool", "user"]), "content": st.none() | _text},
+    optional={
+        "tool_calls": st.lists(_tool_call, max_size=2) | _json,
+        "tool_call_id": _text,
+        "name": _text | _json,
+    },
+)
+_NEW_FIELDS = {
+    "tools": st.lists(_tool, max_size=2) | _json,
+    "tool_choice": st.sampled_from(["none", "auto", "required", "x"])
+    | st.fixed_dictionaries({"type": st.just("function"), "function": _json})
+    | _json,
+    "parallel_tool_calls": _json,
+    "chat_template_kwargs": _json | st.sampled_from([{"tokenize": True}, {"messages": []}]),
+    "add_generation_prompt": _json,
+    "continue_final_message": _json,
+    "include_stop_str_in_output": _json,
+    "speculative": _json | st.fixed_dictionaries({"num_draft_tokens": _numbers}),
+    "stream_options": _json
+    | st.fixed_dictionaries({"include_usage": _json, "continuous_usage_stats": _json}),
+    "messages": st.lists(_message | _history_message, min_size=1, max_size=3),
+}
 _FIELDS = {
     "model": _text | _json,
     "messages": st.lists(_message, max_size=3) | _json,
@@ -233,6 +272,7 @@ _FIELDS = {
     "user": _json,
     "tools": _json,
 }
+_FIELDS_31B = _FIELDS | _NEW_FIELDS
 _BASE = {
     "/v1/chat/completions": {
         "model": MODEL,
@@ -243,12 +283,12 @@ _BASE = {
 }
 
 
-def _bodies(path):
+def _bodies(path, fields=_FIELDS):
     names = st.lists(
-        st.sampled_from(list(_FIELDS)) | st.text(max_size=8), min_size=1, max_size=3, unique=True
+        st.sampled_from(list(fields)) | st.text(max_size=8), min_size=1, max_size=3, unique=True
     )
     replaced = names.flatmap(
-        lambda ns: st.fixed_dictionaries({n: _FIELDS.get(n, _json) for n in ns})
+        lambda ns: st.fixed_dictionaries({n: fields.get(n, _json) for n in ns})
     )
     return (
         replaced.map(lambda fields: json.dumps(_BASE[path] | fields).encode())
@@ -264,6 +304,21 @@ def test_malformed_bodies_get_no_server_error(app, path):
     def check(body):
         r = _post(app["url"], path, body)
         assert r.status_code < 500, (body[:200], r.status_code, r.text[:500])
+        if r.status_code >= 400:
+            _assert_openai_error(r, r.status_code)
+
+    check()
+
+
+def test_new_fields_get_no_server_error(app):
+    """Tools, tool-call histories, template controls, stop options and per-request K, valid and
+    not, on the chat endpoint."""
+
+    @FUZZ
+    @given(body=_bodies("/v1/chat/completions", _FIELDS_31B))
+    def check(body):
+        r = _post(app["url"], "/v1/chat/completions", body)
+        assert r.status_code < 500, (body[:300], r.status_code, r.text[:500])
         if r.status_code >= 400:
             _assert_openai_error(r, r.status_code)
 

@@ -795,9 +795,9 @@ def resample_without_removal(probs, drafts, u_accept, u_sample, *_):
     return tokens, accepted + 1, chain_path(B, K, "cpu")
 
 
-def siblings_too_often(probs, drafts, u_accept, u_sample, siblings, u_sibling):
+def siblings_too_often(probs, drafts, u_accept, u_sample, siblings, u_sibling, limit=None):
     """WRONG: a sibling accepted twice as often as its probability says."""
-    return verify_sampled(probs, drafts, u_accept, u_sample, siblings, u_sibling * 0.5)
+    return verify_sampled(probs, drafts, u_accept, u_sample, siblings, u_sibling * 0.5, limit)
 
 
 @pytest.mark.parametrize(

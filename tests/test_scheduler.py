@@ -419,7 +419,7 @@ def test_auto_ids_pass_over_a_callers_ids(tiny_dir):
         ("max_tokens", 0),
         ("seed", -1),
         ("stop", [""]),
-        ("stop", ["a"] * 5),
+        ("stop", ["a"] * 1025),
         ("bogus", 1),
         ("min_tokens", -1),
         ("min_tokens", 300),

@@ -302,12 +302,13 @@ class ModelRunner:
         logits = process_logits(
             plan, self.state, raw_logits, slots, positions + 1, ids, self.tree_sees
         )
+        limit = self.state.draft_limit[slots] if plan.use_draft_limits else None
         if plan.all_greedy:
-            tokens, emitted, path = verify_greedy(logits.argmax(-1), drafts, siblings)
+            tokens, emitted, path = verify_greedy(logits.argmax(-1), drafts, siblings, limit)
         else:
             probs = slot_probs(plan, self.state, logits, slots)
             seeds, chain = self.state.seeds[slots], positions[:, : K + 1]
-            tokens, emitted, path = verify_seeded(probs, drafts, siblings, seeds, chain)
+            tokens, emitted, path = verify_seeded(probs, drafts, siblings, seeds, chain, limit)
         logprobs = None
         if plan.num_logprobs is not None:  # the model's own, before penalties
             rows = torch.arange(B, device=self.device).unsqueeze(1)

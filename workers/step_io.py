@@ -81,6 +81,7 @@ def _prefill_inputs(plan: StepPlan) -> dict[str, torch.Tensor]:
         "prefill_starts": torch.tensor([p.start for p in rows]),
         "prefill_next": torch.tensor([p.next_token for p in rows]),
         "prefill_seeds": torch.tensor([p.seed for p in rows]),
+        "prefill_num_draft_tokens": torch.tensor([p.num_draft_tokens for p in rows]),
         "prefill_prior_output_tokens": torch.tensor(
             [p.params.prior_output_tokens + p.num_resumed for p in rows]
         ),
