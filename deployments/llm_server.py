@@ -33,11 +33,11 @@ class LLMServer:
     def _report(self) -> None:
         self.registry.report.remote(self.replica_id, self.stats())
 
-    def __del__(self):  # Serve's graceful shutdown: this replica is gone, not failing
-        self.registry.forget.remote(self.replica_id)
-
     def __del__(self):
-        # Serve calls it when the replica stops: the engine's workers go, and its socket directory
+        # Serve calls it when the replica stops (a graceful shutdown: gone, not failing): the
+        # registry forgets it, the engine's workers go, and so does its socket directory
+        if hasattr(self, "registry"):
+            self.registry.forget.remote(self.replica_id)
         if hasattr(self, "coordinator"):
             self.coordinator.shutdown()
 
