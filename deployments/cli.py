@@ -234,6 +234,9 @@ def _serve_config(args):
         max_waiting_requests=args.max_waiting_requests,
         ray_address=args.address,
         num_replicas=args.replicas,
+        chat_template=args.chat_template,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         **overrides,
     )
     return cfg

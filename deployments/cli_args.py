@@ -147,6 +147,14 @@ def _serve_parser(sub) -> None:
     add("--served-model-name", help="the model name clients send and see", shown="--model")
     add("--max-waiting-requests", type=int, help="queued requests per replica; beyond, 429")
     add("--replicas", "num_replicas", type=int, help="engine replicas")
+    add("--chat-template", help="a Jinja chat template file replacing the model's")
+    add(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json", "json"],
+        help="how tool calls are read from the output",
+        shown="chosen from the chat template",
+    )
+    add("--reasoning-parser", choices=["think"], help="<think> text becomes reasoning_content")
     srv.add_argument(
         "--address",
         default=None,
