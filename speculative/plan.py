@@ -35,6 +35,10 @@ class StepPlan:
     use_logit_bias: bool = False  # some row has a logit_bias
     use_min_tokens: bool = False  # some row may still be short of its min_tokens
     num_prompt_logprobs: int | None = None  # some prefill wants its prompt's log-probabilities
+    # structured outputs: the constrained rows (indices into `slots`) and their packed bitmasks
+    # [len(grammar_rows), T, ceil(V / 32)] int32, one row per verify node (speculative/grammar.py)
+    grammar_rows: list[int] = field(default_factory=list)
+    grammar_masks: np.ndarray | None = None
 
     @property
     def graphable(self) -> bool:
@@ -47,7 +51,12 @@ class StepPlan:
             and not self.use_logit_bias
             and self.num_prompt_logprobs is None
             and not self.use_min_tokens
+            and not self.use_grammar
         )
+
+    @property
+    def use_grammar(self) -> bool:
+        return bool(self.grammar_rows)
 
     @property
     def slots(self) -> list[int]:
@@ -75,3 +84,6 @@ class StepResult:
     # log-probability after tokens < t [prefills, T], and the top ones [prefills, T,
     # num_prompt_logprobs]
     prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    # with plan.use_grammar: the drafts [rows, K] and siblings [rows, M, K] the step proposed
+    drafts: np.ndarray | None = None
+    siblings: np.ndarray | None = None

@@ -7,11 +7,17 @@ on the device. A request that ends at step i may already sit in step i+1 (the ex
 there are dropped, and its slot is released only after the last step that used it."""
 
 import itertools
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from speculative.config import MAX_STOP_IDS, SamplingParams
+from speculative.grammar import GrammarError, Grammars, RequestGrammar, bitmask_width
 from speculative.plan import PrefillRow, StepPlan, StepResult
+
+log = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
@@ -41,6 +47,10 @@ class Request:
     )
     # a resumed request's earlier output, min_tokens' (None until then)
     ends_with_stop_token: bool = False  # the last output token is the EOS or stop token
+    # structured outputs: the grammar's state after the output, and the drafts [K] and siblings
+    # [M][K] that the last step proposed (the next step's masks follow them)
+    grammar: RequestGrammar | None = None
+    drafts: tuple[list[int], list[list[int]]] = ([], [])
 
     @property
     def is_finished(self) -> bool:
@@ -121,6 +131,7 @@ class Scheduler:
         self.seeds = itertools.count(seed * 1_000_003 + 1)
         self.stats = StepStats(accepted_at=[0] * k)
         self.rows_of_step: dict[int, list[str]] = {}  # request id of each result row, per step
+        self.grammars: Grammars | None = None  # compiles structured outputs' constraints
 
     # ---- admission ----
 
@@ -161,6 +172,45 @@ class Scheduler:
                 f"prompt ({len(prompt_ids)} tokens) exceeds max_num_batched_tokens "
                 f"({self.max_num_batched_tokens})"
             )
+        if params.structured is not None:
+            self._grammar_for(params)
+
+    # ---- structured outputs (speculative/grammar.py) ----
+
+    def _grammar_for(self, params: SamplingParams) -> RequestGrammar:
+        """A new matcher of the request's grammar (compiled once, cached); RequestError naming
+        what does not compile."""
+        if self.grammars is None:
+            if self.tokenizer is None or not self.vocab_size:
+                raise RequestError("structured outputs need the model's tokenizer")
+            self.grammars = Grammars.for_tokenizer(
+                self.tokenizer, self.vocab_size, self.eos_token_ids
+            )
+        try:
+            return self.grammars.matcher(params.structured)
+        except GrammarError as e:
+            raise RequestError(str(e)) from None
+
+    def _add_grammar_masks(self, plan: StepPlan, rows: list[Request]) -> None:
+        """The mask rows of the plan's constrained rows, after their output and drafts."""
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if not constrained:
+            return
+        T = 1 + self.k + self.tree_rows
+        masks = torch.empty(
+            len(constrained), T, bitmask_width(self.grammars.vocab_size), dtype=torch.int32
+        )
+        for i, row in enumerate(constrained):
+            rows[row].grammar.fill(masks[i], *rows[row].drafts)
+        plan.grammar_rows, plan.grammar_masks = constrained, masks.numpy()
+
+    def _follow_grammar(self, r: Request, tokens: list[int], result: StepResult, row: int):
+        if not r.grammar.accept(tokens):  # cannot happen: the mask allowed every token
+            log.error("request %s: output left its grammar", r.request_id)
+            self._finish(r, "abort")
+        if result.drafts is not None:
+            siblings = result.siblings[row].tolist() if result.siblings is not None else []
+            r.drafts = (result.drafts[row].tolist(), siblings)
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
         self.validate(request_id, prompt_ids, params)
@@ -170,6 +220,11 @@ class Scheduler:
         request = Request(
             request_id, list(prompt_ids), params, seed, stops_after=None if params.min_tokens else 0
         )
+        if params.structured is not None:
+            request.grammar = self._grammar_for(params)
+            prior = prompt_ids[len(prompt_ids) - params.prior_output_tokens :]
+            if params.prior_output_tokens and not request.grammar.accept(prior):
+                raise RequestError("the resumed request's earlier output does not fit its grammar")
         if params.prior_output_tokens and self.tokenizer is not None:
             # a resumed request's text goes on from its earlier output's: a stop string may span the
             # two, and what the failed engine held back (a possible stop string's start) is sent from here
@@ -218,7 +273,11 @@ class Scheduler:
         decodes = [
             r
             for r in self.running.values()
-            if not r.is_finished and r.slot is not None and not self._will_surely_finish(r)
+            if not r.is_finished
+            and r.slot is not None
+            and not self._will_surely_finish(r)
+            # a constrained request's masks follow its last step's tokens and drafts
+            and not (r.grammar is not None and r.in_flight)
         ]
         prefills = []
         longest = (
@@ -280,6 +339,7 @@ class Scheduler:
                 default=None,
             ),
         )
+        self._add_grammar_masks(plan, rows)
         self.slots_to_release = []
         self.rows_of_step[step_id] = [r.request_id for r in rows]
         return plan
@@ -319,6 +379,8 @@ class Scheduler:
                     r.params.logprobs,
                 )
                 outputs.append(self._append(r, result.tokens[row, :emitted].tolist(), logprobs))
+                if r.grammar is not None:
+                    self._follow_grammar(r, outputs[-1].new_token_ids, result, row)
                 if row < num_prefills:
                     outputs[-1].prompt_logprobs = _logprobs(
                         result.prompt_logprobs,
