@@ -25,6 +25,10 @@ from speculative.config import StructuredSpec
 from speculative.draft_tree import sibling_node
 
 CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
+# xgrammar unrolls a regex's counted repetition inside a JSON schema: "a{2000}" compiles in 0.2 s,
+# "a{50000}" ran past two minutes, holding the engine's loop (the compile is not interruptible)
+MAX_REPEAT = 1000
+_COUNTED = re.compile(r"\{(\d+)(?:,(\d*))?\}")
 
 
 class GrammarError(ValueError):
@@ -101,6 +105,8 @@ class Grammars:
 
     def _compile(self, spec: StructuredSpec) -> xgr.CompiledGrammar:
         c = self.compiler
+        if spec.kind in ("json", "regex"):
+            _check_repeats(spec.spec)
         try:
             if spec.kind == "json":
                 # no free whitespace: small models given the choice indent forever
@@ -117,6 +123,16 @@ class Grammars:
 
     def matcher(self, spec: StructuredSpec) -> "RequestGrammar":
         return RequestGrammar(self.compile(spec), self.vocab_size)
+
+
+def _check_repeats(text: str) -> None:
+    for m in _COUNTED.finditer(text):
+        bound = max(int(n) for n in m.groups() if n)
+        if bound > MAX_REPEAT:
+            raise GrammarError(
+                f"the repetition {m.group(0)} exceeds the limit of {MAX_REPEAT} (a larger "
+                "count takes too long to compile)"
+            )
 
 
 def _reason(e: Exception) -> str:
