@@ -108,11 +108,10 @@ class Grammars:
         if spec.kind in ("json", "regex"):
             _check_repeats(spec.spec)
         try:
-            if spec.kind == "json":
-                # no free whitespace: small models given the choice indent forever
-                return c.compile_json_schema(spec.spec, any_whitespace=False, strict_mode=True)
-            if spec.kind == "json_object":
-                return c.compile_builtin_json_grammar()
+            if spec.kind in ("json", "json_object"):
+                # no free whitespace: small models given the choice indent forever (SmolLM2 did)
+                schema = spec.spec if spec.kind == "json" else '{"type": "object"}'
+                return c.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
             if spec.kind == "regex":
                 return c.compile_regex(spec.spec)
             text = choice_ebnf(spec.choices) if spec.kind == "choice" else spec.spec
