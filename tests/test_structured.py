@@ -275,3 +275,22 @@ def test_unmasked_draft_positions_are_caught(v16_dirs, monkeypatch):
     monkeypatch.setattr(RequestGrammar, "fill", lambda self, rows, d, s: fill(self, rows, [], []))
     p_value, _ = sample_constrained(v16_dirs, "oracle", 3, 0)
     assert p_value < 1e-6
+
+
+def test_constrained_steps_make_no_host_sync(tiny_dir, tiny_drafter_dir):
+    """Masks written, applied, drafts sent back, greedy and sampled, chain and tree: no step
+    forces a host synchronisation (workers/sync_guard.py)."""
+    spec = StructuredSpec(kind="regex", spec="[a-p]{5}[q-z]+")
+    for siblings in (0, 2):
+        engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, draft_siblings=siblings)
+        engine.scheduler.grammars = raw_grammars(64, stop=63)
+        engine.executor.check_host_sync = True
+        params = [
+            SamplingParams(max_tokens=12, structured=spec, temperature=t, stop_token_ids=[63])
+            for t in (0.0, 1.0)
+        ]
+        requests = run_to_completion(engine, tiny_prompts(2, seed=8), params)
+        for r in requests:  # ended by the grammar, or cut by max_tokens inside it
+            text = "".join(chr(ord("a") + t) for t in r.output_ids if t != 63)
+            ended = r.output_ids[-1] == 63
+            assert re.fullmatch(r"[a-p]{5}[q-z]" + ("+" if ended else "*"), text), text
