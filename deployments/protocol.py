@@ -18,7 +18,7 @@ from pydantic import (
 )
 from pydantic.json_schema import models_json_schema
 
-from speculative.config import MAX_STOP_STRINGS, LogitBiasValue, SamplingParams
+from speculative.config import MAX_STOP_STRINGS, LogitBiasValue, SamplingParams, StructuredSpec
 
 
 class APIError(Exception):
@@ -163,6 +163,79 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
+# ---- structured outputs: OpenAI's response_format and vLLM's structured_outputs ----
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # the output always follows the schema, strict or not
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type 'json_schema', and only then")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's extension: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | str | None = Field(None, alias="json")  # a JSON schema, or its text
+    regex: str | None = Field(None, min_length=1)
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
+    grammar: str | None = Field(None, min_length=1)  # EBNF (xgrammar's GBNF dialect)
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k)]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar, json_object")
+        return self
+
+
+def structured_spec(
+    response_format: ResponseFormat | None, structured: StructuredOutputs | None
+) -> StructuredSpec | None:
+    """The engine's constraint for a request's response_format or structured_outputs."""
+    if response_format is not None and response_format.type != "text":
+        if structured is not None:
+            raise APIError(
+                400,
+                "give either response_format or structured_outputs, not both",
+                param="structured_outputs",
+                code="invalid_value",
+            )
+        schema = response_format.json_schema and response_format.json_schema.schema_
+        if schema is None:
+            return StructuredSpec(kind="json_object")
+        return StructuredSpec(kind="json", spec=json.dumps(schema))
+    if structured is None:
+        return None
+    if structured.json_ is not None:
+        schema = structured.json_
+        return StructuredSpec(
+            kind="json", spec=schema if isinstance(schema, str) else json.dumps(schema)
+        )
+    if structured.choice:
+        return StructuredSpec(kind="choice", choices=tuple(structured.choice))
+    if structured.regex or structured.grammar:
+        kind = "regex" if structured.regex else "grammar"
+        return StructuredSpec(kind=kind, spec=structured.regex or structured.grammar)
+    return StructuredSpec(kind="json_object")
+
+
 # What the validators below accept, for the OpenAPI schema (pydantic cannot derive it from them)
 _NON_EMPTY = {"type": "string", "minLength": 1}
 _STOP = WithJsonSchema(
@@ -239,6 +312,9 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False  # vLLM's
     speculative: SpeculativeOptions | None = None  # ours
     # ---- end issue 31b ----
+    # structured outputs (speculative/grammar.py): OpenAI's and vLLM's forms
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -281,6 +357,19 @@ class _SamplingRequest(BaseModel):
     def num_choices(self) -> int:
         return self.n
 
+    def structured_spec(self) -> StructuredSpec | None:
+        spec = structured_spec(self.response_format, self.structured_outputs)
+        if spec is not None and (self.ignore_eos or self.min_tokens):
+            param = "ignore_eos" if self.ignore_eos else "min_tokens"
+            raise APIError(
+                400,
+                f"{param} cannot be combined with structured outputs (the grammar ends the "
+                "output with EOS)",
+                param=param,
+                code="invalid_value",
+            )
+        return spec
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         greedy = self.top_p == 0  # only the most likely token is left
         return SamplingParams(
@@ -302,6 +391,7 @@ class _SamplingRequest(BaseModel):
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             include_stop_str_in_output=self.include_stop_str_in_output,
             num_draft_tokens=self.speculative and self.speculative.num_draft_tokens,
+            structured=self.structured_spec(),
         )
 
 
@@ -419,7 +509,6 @@ class DetokenizeRequest(BaseModel):
 KNOWN_FIELDS = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
 # OpenAI's options we do not implement, and the values of each that ask for what we do anyway
 NO_OP_VALUES = {
-    "response_format": [{"type": "text"}],
     "metadata": [{}],
     "store": [False],
     "service_tier": ["auto", "default"],

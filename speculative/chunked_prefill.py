@@ -43,7 +43,10 @@ class PrefillPlanning:
         decodes = [
             r
             for r in active
-            if r.num_prefilled == len(r.prefill_ids) and not self._will_surely_finish(r)
+            if r.num_prefilled == len(r.prefill_ids)
+            and not self._will_surely_finish(r)
+            # a constrained request's masks follow its last step's tokens and drafts
+            and not (r.grammar is not None and r.in_flight)
         ]
         budget = self.max_num_batched_tokens
         if self.kv is not None:

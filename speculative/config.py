@@ -13,6 +13,26 @@ LogitBiasValue = Annotated[
 ]  # Strict: JSON true is no bias
 
 
+class StructuredSpec(BaseModel):
+    """A constraint on the output (speculative/grammar.py compiles it): a JSON schema (its JSON
+    text), any JSON object, a regular expression, one of `choices`, or an EBNF grammar (xgrammar's
+    GBNF dialect)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    spec: str = ""  # json: the schema as JSON text; regex: the pattern; grammar: the EBNF
+    choices: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.kind in ("json", "regex", "grammar") and not self.spec:
+            raise ValueError(f"structured output {self.kind!r} needs a non-empty spec")
+        if self.kind == "choice" and not (self.choices and all(self.choices)):
+            raise ValueError("structured output 'choice' needs non-empty choices")
+        return self
+
+
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -48,6 +68,8 @@ class SamplingParams(BaseModel):
     include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text
     # per request: drafts verified per step, at most the engine's K; 0: no speculation. None: K
     num_draft_tokens: int | None = Field(None, ge=0, le=16)
+    # structured outputs: every token is one the grammar allows there (speculative/grammar.py)
+    structured: StructuredSpec | None = None
 
     @field_validator("temperature")
     @classmethod
@@ -64,6 +86,9 @@ class SamplingParams(BaseModel):
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
             )
+        if self.structured is not None and (self.ignore_eos or self.min_tokens):
+            # the grammar ends the output with EOS, which these would forbid or go past
+            raise ValueError("structured outputs cannot be combined with ignore_eos or min_tokens")
         return self
 
     @property

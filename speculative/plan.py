@@ -46,6 +46,10 @@ class StepPlan:
     # prefills' rows are reset; None: a hand-built plan over the contiguous per-slot layout
     block_updates: list[tuple[int, int, int]] | None = None
     use_draft_limits: bool = False  # some row's K is below the engine's (verified eagerly)
+    # structured outputs: the constrained rows (indices into `slots`) and their packed bitmasks
+    # [len(grammar_rows), T, ceil(V / 32)] int32, one row per verify node (speculative/grammar.py)
+    grammar_rows: list[int] = field(default_factory=list)
+    grammar_masks: np.ndarray | None = None
 
     @property
     def graphable(self) -> bool:
@@ -59,7 +63,12 @@ class StepPlan:
             and self.num_prompt_logprobs is None
             and not self.use_min_tokens
             and not self.use_draft_limits
+            and not self.use_grammar
         )
+
+    @property
+    def use_grammar(self) -> bool:
+        return bool(self.grammar_rows)
 
     @property
     def slots(self) -> list[int]:
@@ -87,3 +96,6 @@ class StepResult:
     # log-probability after tokens < t [prefills, T], and the top ones [prefills, T,
     # num_prompt_logprobs]
     prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    # with plan.use_grammar: the drafts [rows, K] and siblings [rows, M, K] the step proposed
+    drafts: np.ndarray | None = None
+    siblings: np.ndarray | None = None

@@ -7,6 +7,7 @@ in chunks up to `num_prefilled`."""
 from dataclasses import dataclass, field
 
 from speculative.config import SamplingParams
+from speculative.grammar import RequestGrammar
 
 
 class RequestError(ValueError):
@@ -36,6 +37,10 @@ class Request:
     stops_after: int | None = 0
     ends_with_stop_token: bool = False  # the last output token is the EOS or stop token
     num_draft_tokens: int = 0  # drafts verified per step: the request's K, at most the engine's
+    # structured outputs: the grammar's state after the output, and the drafts [K] and siblings
+    # [M][K] that the last step proposed (the next step's masks follow them)
+    grammar: "RequestGrammar | None" = None
+    drafts: tuple[list[int], list[list[int]]] = ([], [])
     blocks: list[int] = field(default_factory=list)  # its KV blocks, in position order
     block_hashes: list[int] = field(default_factory=list)  # of its full blocks, once cached
     is_preempted: bool = False  # its blocks are given back; requeued once no step holds it

@@ -1,6 +1,6 @@
-"""Logits processing and sampling on the device: logit_bias, min_tokens, penalties,
-temperature, min-p, top-k, top-p, log-probabilities, and the random numbers, with no host
-synchronisation.
+"""Logits processing and sampling on the device: grammar bitmasks, logit_bias, min_tokens,
+penalties, temperature, min-p, top-k, top-p, log-probabilities, and the random numbers, with no
+host synchronisation.
 
 Randomness is counter based: a uniform number is a hash of (request seed, token position, stream),
 so every TP rank draws the same numbers, a request's draws do not depend on its batch, and a
@@ -111,6 +111,14 @@ def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return ids.clamp_(max=probs.shape[-1] - 1)
 
 
+def apply_bitmask(logits: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """Structured outputs: logits [B, T, V], packed [B, T, ceil(V / 32)] int32 (bit t % 32 of word
+    t // 32 set: token t allowed) -> the logits with every other token at -inf."""
+    bits = torch.arange(32, dtype=torch.int32, device=packed.device)
+    allowed = ((packed.unsqueeze(-1) >> bits) & 1).flatten(-2)[..., : logits.shape[-1]]
+    return logits.masked_fill(allowed == 0, float("-inf"))
+
+
 def process_logits(
     plan,
     state: SlotState,
@@ -125,6 +133,8 @@ def process_logits(
     tree's `sees` [T, T], node i follows the output so far and the drafts on its path, as if
     accepted."""
     B, T, _ = logits.shape
+    if plan.use_grammar:
+        logits = apply_bitmask(logits, state.grammar_mask[slots, :T])
     if plan.use_logit_bias:
         ids = state.bias_ids[slots].unsqueeze(1).expand(B, T, -1)
         values = state.bias_values[slots].unsqueeze(1).expand(B, T, -1)

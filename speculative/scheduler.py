@@ -7,14 +7,20 @@ on the device. A request that ends at step i may already sit in step i+1 (the ex
 there are dropped, and its slot is released only after the last step that used it."""
 
 import itertools
+import logging
 from collections import deque
+
+import torch
 
 from speculative.block_manager import BlockManager, RequestBlocks
 from speculative.chunked_prefill import PrefillPlanning
 from speculative.config import MAX_STOP_IDS, SamplingParams
 from speculative.detokenizer import decode, detokenize, find_stop
+from speculative.grammar import GrammarError, Grammars, RequestGrammar, bitmask_width
 from speculative.plan import StepPlan, StepResult
 from speculative.request import Request, RequestError, RequestOutput, StepStats, row_logprobs
+
+log = logging.getLogger(__name__)
 
 
 def step_flags(rows: list[Request], prefills: list[Request], k: int) -> dict:
@@ -69,6 +75,7 @@ class Scheduler(PrefillPlanning):
         self.rows_of_step: dict[int, list[str]] = {}  # request id of each result row, per step
         # the paged KV pool's blocks; None: plans over the workers' contiguous per-slot caches
         self.kv = RequestBlocks(blocks, k, tree_rows, max_model_len) if blocks else None
+        self.grammars: Grammars | None = None  # compiles structured outputs' constraints
 
     # ---- admission ----
 
@@ -116,6 +123,45 @@ class Scheduler(PrefillPlanning):
                 f"fit the KV cache pool of {pool.num_blocks} blocks x {pool.block_size} tokens"
             )
         self._check_budget(prompt_ids, params)
+        if params.structured is not None:
+            self._grammar_for(params)
+
+    # ---- structured outputs (speculative/grammar.py) ----
+
+    def _grammar_for(self, params: SamplingParams) -> RequestGrammar:
+        """A new matcher of the request's grammar (compiled once, cached); RequestError naming
+        what does not compile."""
+        if self.grammars is None:
+            if self.tokenizer is None or not self.vocab_size:
+                raise RequestError("structured outputs need the model's tokenizer")
+            self.grammars = Grammars.for_tokenizer(
+                self.tokenizer, self.vocab_size, self.eos_token_ids
+            )
+        try:
+            return self.grammars.matcher(params.structured)
+        except GrammarError as e:
+            raise RequestError(str(e)) from None
+
+    def _add_grammar_masks(self, plan: StepPlan, rows: list[Request]) -> None:
+        """The mask rows of the plan's constrained rows, after their output and drafts."""
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if not constrained:
+            return
+        T = 1 + self.k + self.tree_rows
+        masks = torch.empty(
+            len(constrained), T, bitmask_width(self.grammars.vocab_size), dtype=torch.int32
+        )
+        for i, row in enumerate(constrained):
+            rows[row].grammar.fill(masks[i], *rows[row].drafts)
+        plan.grammar_rows, plan.grammar_masks = constrained, masks.numpy()
+
+    def _follow_grammar(self, r: Request, tokens: list[int], result: StepResult, row: int):
+        if not r.grammar.accept(tokens):  # cannot happen: the mask allowed every token
+            log.error("request %s: output left its grammar", r.request_id)
+            self._finish(r, "abort")
+        if result.drafts is not None:
+            siblings = result.siblings[row].tolist() if result.siblings is not None else []
+            r.drafts = (result.drafts[row].tolist(), siblings)
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
         self.validate(request_id, prompt_ids, params)
@@ -127,6 +173,11 @@ class Scheduler(PrefillPlanning):
         )
         k = params.num_draft_tokens
         request.num_draft_tokens = self.k if k is None else k
+        if params.structured is not None:
+            request.grammar = self._grammar_for(params)
+            prior = prompt_ids[len(prompt_ids) - params.prior_output_tokens :]
+            if params.prior_output_tokens and not request.grammar.accept(prior):
+                raise RequestError("the resumed request's earlier output does not fit its grammar")
         if params.prior_output_tokens and self.tokenizer is not None:
             # a resumed request's text goes on from its earlier output's: a stop string may span
             # the two, and what the failed engine held back (a possible stop string's start) is
@@ -225,6 +276,7 @@ class Scheduler(PrefillPlanning):
             **step_flags(rows, prefills, self.k),
         )
         plan.block_updates = updates
+        self._add_grammar_masks(plan, rows)
         self.slots_to_release = []
         self.rows_of_step[step_id] = [r.request_id for r in rows]
         return plan
@@ -271,6 +323,8 @@ class Scheduler(PrefillPlanning):
                     r.params.logprobs,
                 )
                 outputs.append(self._append(r, result.tokens[row, :emitted].tolist(), logprobs))
+                if r.grammar is not None:
+                    self._follow_grammar(r, outputs[-1].new_token_ids, result, row)
                 if row < num_prefills and not plan.prefills[row].num_resumed:
                     outputs[-1].prompt_logprobs = row_logprobs(
                         result.prompt_logprobs,

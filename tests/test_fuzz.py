@@ -201,6 +201,22 @@ _numbers = (
 _text = st.text(max_size=40) | st.sampled_from(
     ["", "\ud800", "a\udfffb", "\x00", "\u202e", "<|im_end|>"]
 )
+# constraints that do not compile, compile slowly, or match nothing a model can end
+_NASTY_CONSTRAINTS = [
+    "(",
+    "a{50000}",
+    "[z-a]",
+    "\\",
+    "root ::= root",
+    'root ::= "a" root',
+    {"type": "foo"},
+    {"$ref": "#"},
+    {"type": "string", "pattern": "a{1001}"},
+    {"type": "integer", "minimum": 5, "maximum": 1},
+    {"type": "array", "minItems": 100000},
+    {"enum": []},
+    {"not": {}},
+]
 _message = st.fixed_dictionaries(
     {
         "role": st.sampled_from(["user", "system", "assistant", "developer", "tool", 3]),
@@ -271,6 +287,17 @@ _FIELDS = {
     "ignore_eos": _json,
     "user": _json,
     "tools": _json,
+    "response_format": _json
+    | st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "xml", 1])},
+        optional={"json_schema": _json | st.fixed_dictionaries({"name": _text, "schema": _json})},
+    ),
+    "structured_outputs": _json
+    | st.dictionaries(
+        st.sampled_from(["json", "regex", "choice", "grammar", "json_object"]),
+        _text | _json | st.lists(_text, max_size=3) | st.sampled_from(_NASTY_CONSTRAINTS),
+        max_size=2,
+    ),
 }
 _FIELDS_31B = _FIELDS | _NEW_FIELDS
 _BASE = {
@@ -336,6 +363,9 @@ FOUND = {
         "/v1/completions": '"prompt": "\\ud800"',
     },  # TypeError in the tokenizer
     "top_k over int64": '"top_k": 18446744073709551616',  # failed the step on the workers
+    "uncompilable schema": '"response_format": {"type": "json_schema", "json_schema": '
+    '{"name": "x", "schema": {"type": "foo"}}}',
+    "slow regex": '"structured_outputs": {"regex": "a{50000}"}',
 }
 
 

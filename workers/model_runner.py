@@ -123,11 +123,18 @@ class ModelRunner:
             start_event.record()
         with no_host_sync(self.check_host_sync):
             tokens, num_emitted, logprobs, prompt = self._run(plan, inputs)
+            drafts = self._drafts_for_grammar(plan, inputs) if plan.use_grammar else None
         execute_s = time.perf_counter() - start
-        output = send_back(plan.step_id, tokens, num_emitted, execute_s, logprobs, prompt)
+        output = send_back(plan.step_id, tokens, num_emitted, execute_s, logprobs, prompt, drafts)
         output.start_event = start_event
         output.received_at, output.launched_at = received_at, time.time()
         return output
+
+    def _drafts_for_grammar(self, plan: StepPlan, inputs: dict) -> tuple[torch.Tensor, ...]:
+        """The step's new drafts [rows, K] and siblings [rows, M, K]: the host's grammar follows
+        them to build the next step's masks."""
+        slots, K = inputs["plan_slots"], max(self.K, 0)
+        return self.state.drafts[slots, :K], self.state.siblings[slots, :, :K]
 
     def _run(self, plan: StepPlan, inputs: dict) -> tuple:
         """-> tokens [rows, K+1], num_emitted [rows], with plan.num_logprobs the rows'
@@ -137,6 +144,8 @@ class ModelRunner:
         if plan.block_updates is not None:
             where = (inputs["block_slots"], inputs["block_index"])
             self.kv.update_tables(inputs["new_slots"], where, inputs["block_ids"])
+        if plan.use_grammar:
+            self.state.write_grammar(inputs)
         parts, seeds, prompt = [], [], None
         if plan.prefills:
             *part, seed, prompt = self._prefill(plan, inputs)

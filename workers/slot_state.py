@@ -44,6 +44,9 @@ class SlotState:
         self.stops_from = self.stop_ids = None
         # prompt lookup: every slot's tokens by position (prompt, output, the chain's drafts)
         self.history = zeros(n, history_len) if history_len else None
+        # structured outputs: [slots+1, T, ceil(V / 32)] packed bitmask of every verify node
+        self.num_nodes = 1 + K * (M + 1)
+        self.grammar_mask = None
 
     def allocate_for(self, plan) -> None:
         """The rows that only steps with penalties, logit_bias or min_tokens need, once."""
@@ -57,6 +60,9 @@ class SlotState:
         if plan.use_min_tokens and self.stops_from is None:
             self.stops_from = torch.zeros(n, dtype=torch.long, device=dev)
             self.stop_ids = torch.full((n, MAX_STOP_IDS), -1, dtype=torch.long, device=dev)
+        if plan.use_grammar and self.grammar_mask is None:
+            shape = (n, self.num_nodes, -(-V // 32))
+            self.grammar_mask = torch.full(shape, -1, dtype=torch.int32, device=dev)
 
     def admit(self, plan, inp: dict[str, torch.Tensor]) -> None:
         """Write the rows of the plan's prefills from their inputs (workers/step_io.py)."""
@@ -90,6 +96,11 @@ class SlotState:
         prompt_counts = torch.zeros(B, self.vocab_size, dtype=torch.int32, device=self.device)
         prompt_counts.scatter_add_(1, ids, in_prompt.int())
         self.in_prompt.index_copy_(0, slots, prompt_counts > 0)
+
+    def write_grammar(self, inp: dict[str, torch.Tensor]) -> None:
+        """Structured outputs: the plan's constrained slots get their masks, the others none."""
+        self.grammar_mask.index_fill_(0, inp["plan_slots"], -1)
+        self.grammar_mask.index_copy_(0, inp["grammar_slots"], inp["grammar_masks"])
 
     def count_outputs(self, slots: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor):
         """Penalties: add tokens [B, T] where valid [B, T] to their slots' output counts."""

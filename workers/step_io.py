@@ -26,6 +26,7 @@ class StepOutput:
     start_event: torch.cuda.Event | None = None
     received_at: float = 0.0
     launched_at: float = 0.0
+    drafts: tuple[torch.Tensor, ...] | None = None  # structured outputs: (drafts, siblings)
 
     def result(self) -> StepResult:
         device_s = 0.0
@@ -38,6 +39,7 @@ class StepOutput:
             if self.prompt_logprobs is not None
             else None
         )
+        drafts, siblings = (t.numpy() for t in self.drafts) if self.drafts else (None, None)
         return StepResult(
             self.step_id,
             self.tokens.numpy(),
@@ -49,6 +51,8 @@ class StepOutput:
             time.time(),
             *logprobs,
             prompt,
+            drafts,
+            siblings,
         )
 
 
@@ -62,6 +66,8 @@ def prepare_inputs(plan: StepPlan, device: torch.device) -> dict[str, torch.Tens
         host["new_slots"] = torch.tensor(new_slots, dtype=torch.long)
         updates = torch.tensor(plan.block_updates, dtype=torch.long).view(-1, 3)
         host["block_slots"], host["block_index"], host["block_ids"] = updates.unbind(1)
+    if plan.use_grammar:
+        host |= _grammar_inputs(plan)
     pin = device.type == "cuda"
     return {
         k: (v.pin_memory() if pin else v).to(device, non_blocking=True) for k, v in host.items()
@@ -104,6 +110,15 @@ def _prefill_inputs(plan: StepPlan) -> dict[str, torch.Tensor]:
     return host
 
 
+def _grammar_inputs(plan: StepPlan) -> dict[str, torch.Tensor]:
+    """The plan's slots, the constrained ones' and their bitmasks (SlotState.write_grammar)."""
+    return {
+        "plan_slots": torch.tensor(plan.slots, dtype=torch.long),
+        "grammar_slots": torch.tensor([plan.slots[i] for i in plan.grammar_rows]),
+        "grammar_masks": torch.from_numpy(plan.grammar_masks),
+    }
+
+
 def send_back(
     step_id: int,
     tokens: torch.Tensor,
@@ -111,6 +126,7 @@ def send_back(
     execute_s: float,
     logprobs: tuple[torch.Tensor, ...] | None = None,
     prompt_logprobs: tuple[torch.Tensor, ...] | None = None,
+    drafts: tuple[torch.Tensor, ...] | None = None,
 ) -> StepOutput:
     cuda = tokens.device.type == "cuda"
 
@@ -120,8 +136,9 @@ def send_back(
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         return host.copy_(t, non_blocking=True)
 
-    logprobs, prompt_logprobs = (
-        tuple(map(to_host, x)) if x is not None else None for x in (logprobs, prompt_logprobs)
+    logprobs, prompt_logprobs, drafts = (
+        tuple(map(to_host, x)) if x is not None else None
+        for x in (logprobs, prompt_logprobs, drafts)
     )
     tokens_host, emitted_host = to_host(tokens), to_host(num_emitted)
     event = None
@@ -132,5 +149,12 @@ def send_back(
         event = torch.cuda.Event(enable_timing=True, blocking=True)
         event.record()
     return StepOutput(
-        step_id, tokens_host, emitted_host, event, execute_s, logprobs, prompt_logprobs
+        step_id,
+        tokens_host,
+        emitted_host,
+        event,
+        execute_s,
+        logprobs,
+        prompt_logprobs,
+        drafts=drafts,
     )

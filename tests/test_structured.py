@@ -1,0 +1,296 @@
+"""Structured outputs in the engine (speculative/grammar.py): the masks follow the drafts exactly,
+greedy constrained output with a drafter is token for token the output without one, sampled
+constrained output has the masked, renormalised distribution (chi-square against the exact joint
+of the first three tokens), and a constrained request never has two steps in flight while the
+unconstrained ones beside it keep theirs."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+import test_lossless
+import torch
+import xgrammar as xgr
+from conftest import run_to_completion, tiny_engine, tiny_prompts
+from test_lossless import PROMPT, V16, _engine, chi2_pvalue, oracle_drafts, sample_first_three
+
+from speculative.config import SamplingParams, StructuredSpec
+from speculative.engine import encode_prompt
+from speculative.grammar import GrammarError, Grammars, tool_call_schema
+
+v16_dirs = test_lossless.v16_dirs  # the chi-square machinery's tiny model and drafter
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+
+
+def raw_grammars(vocab_size: int, stop: int) -> Grammars:
+    """Grammars over a tokenizer-less tiny model: token i is the letter 'a' + i."""
+    vocab = [chr(ord("a") + i) for i in range(vocab_size)]
+    info = xgr.TokenizerInfo(
+        vocab, vocab_type=xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=[stop]
+    )
+    return Grammars(info)
+
+
+def allowed_after(grammars: Grammars, spec: StructuredSpec, prefix: list[int]) -> torch.Tensor:
+    """The tokens a fresh matcher allows after `prefix`, as a bool vector [V]."""
+    matcher = xgr.GrammarMatcher(grammars.compile(spec))
+    assert all(matcher.accept_token(t) for t in prefix)
+    mask = xgr.allocate_token_bitmask(1, grammars.vocab_size)
+    matcher.fill_next_token_bitmask(mask)
+    return unpack(mask[0], grammars.vocab_size)
+
+
+def unpack(row: torch.Tensor, V: int) -> torch.Tensor:
+    return (((row.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:V]) == 1
+
+
+# ---- the host side ----
+
+TREE = StructuredSpec(kind="regex", spec="(a[b-h]|b[c-k]|[c-h][a-o])[a-d]+")
+
+
+def test_masks_follow_drafts_and_siblings_then_roll_back():
+    grammars = raw_grammars(V16, stop=15)
+    request = grammars.matcher(TREE)
+    assert request.accept([1])  # "b"
+    K, M = 3, 1
+    drafts, siblings = [4, 0, 2], [[2, 3, 5]]  # "e" ok, "a" ok, "c" ok; siblings "c", "d", "f"
+    rows = torch.zeros(1 + K * (M + 1), 1, dtype=torch.int32)
+    request.fill(rows, drafts, siblings)
+    for node, path in [(0, []), (1, [4]), (2, [4, 0]), (3, [4, 0, 2]), (4, [2]), (5, [4, 3])]:
+        assert torch.equal(unpack(rows[node], V16), allowed_after(grammars, TREE, [1, *path]))
+    assert unpack(rows[6], V16).all()  # sibling "f" after "e" is forbidden: no row of its own
+    request.fill(rows, [14, 0, 0], [[0, 0, 0]])  # "o" and "a" are forbidden after "b"
+    assert not unpack(rows[0], V16)[14] and not unpack(rows[0], V16)[0]
+    assert all(unpack(rows[i], V16).all() for i in range(1, 7))  # cut: rows no token reads
+    # rolled back: the matcher is where the output left it
+    assert torch.equal(unpack(_row0(request), V16), allowed_after(grammars, TREE, [1]))
+
+
+def _row0(request) -> torch.Tensor:
+    rows = torch.zeros(1, 1, dtype=torch.int32)
+    request.fill(rows, [], [])
+    return rows[0]
+
+
+def test_bad_constraints_name_the_problem_and_compiles_are_cached(smollm2_engine):
+    scheduler = smollm2_engine.scheduler
+    bad = {
+        StructuredSpec(kind="json", spec='{"type": "foo"}'): 'Unsupported type "foo"',
+        StructuredSpec(kind="regex", spec="(ab"): "parenthesis is not closed",
+        StructuredSpec(kind="grammar", spec="root ::= foo"): 'Rule "foo" is not defined',
+        StructuredSpec(kind="regex", spec="a{50000}"): "exceeds the limit",
+    }
+    for spec, reason in bad.items():
+        with pytest.raises(Exception, match=reason):
+            scheduler.validate("x", [1, 2], SamplingParams(structured=spec))
+    good = StructuredSpec(kind="json", spec=json.dumps(PERSON))
+    scheduler.validate("x", [1, 2], SamplingParams(structured=good))
+    assert scheduler.grammars.compile(good) is scheduler.grammars.compile(good)
+    with pytest.raises(GrammarError):
+        scheduler.grammars.compile(next(iter(bad)))
+
+
+def test_tool_call_schema_forces_valid_calls():
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": PERSON}},
+        {"type": "function", "function": {"name": "ping"}},
+    ]
+    named = tool_call_schema(tools, {"type": "function", "function": {"name": "ping"}}, False)
+    jsonschema.validate([{"name": "ping", "arguments": {}}], named)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_weather", "arguments": {}}], named)
+    with pytest.raises(jsonschema.ValidationError):  # one call only without parallel calls
+        jsonschema.validate([{"name": "ping", "arguments": {}}] * 2, named)
+    with pytest.raises(ValueError, match="not among the tools"):
+        tool_call_schema(tools, {"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(ValueError, match="at least one function"):
+        tool_call_schema([], "required")
+
+
+# ---- greedy: with a drafter, token for token the output without one ----
+
+
+def test_greedy_tiny_constrained_with_drafter_equals_without(tiny_dir, tiny_drafter_dir):
+    spec = StructuredSpec(kind="regex", spec="[a-h][c-z]{2}(ab|[d-p]{3})+[q-z]{4}")
+    constrained = SamplingParams(max_tokens=30, structured=spec, stop_token_ids=[63])
+    params = [constrained, SamplingParams(max_tokens=30), constrained]  # one free beside them
+    prompts = tiny_prompts(3, seed=11)
+    outputs = []
+    for drafter, overlap in [("none", False), (tiny_drafter_dir, True), (tiny_drafter_dir, False)]:
+        engine = tiny_engine(tiny_dir, drafter, k=3, overlap=overlap)
+        engine.scheduler.grammars = raw_grammars(64, stop=63)
+        requests = run_to_completion(engine, prompts, params, [0, 0, 2])
+        outputs.append([r.output_ids for r in requests])
+    assert outputs[0] == outputs[1] == outputs[2]
+    for ids in outputs[0][0], outputs[0][2]:  # the grammar held: it ends at its stop token
+        text = "".join(chr(ord("a") + t) for t in ids[:-1])
+        assert ids[-1] == 63 and re.fullmatch(spec.spec, text), text
+
+
+def smollm2_constrained(engine, prompts) -> list[list[int]]:
+    specs = [
+        StructuredSpec(kind="json", spec=json.dumps(PERSON)),
+        StructuredSpec(kind="json_object"),
+        StructuredSpec(kind="regex", spec=r"\d{3}-\d{4}"),
+        StructuredSpec(kind="choice", choices=("positive", "negative")),
+        None,
+    ]
+    params = [SamplingParams(max_tokens=48, structured=s) for s in specs]
+    return [r.output_ids for r in engine.generate(prompts[: len(params)], params)]
+
+
+@pytest.fixture(scope="module")
+def smollm2_questions(smollm2_engine):
+    questions = [
+        "Describe a person as JSON.",
+        "Give me a JSON object about a cat.",
+        "What is your phone number?",
+        "Is this review positive or negative: great food!",
+        "Say hello.",
+    ]
+    return [encode_prompt(smollm2_engine.tokenizer, q) for q in questions]
+
+
+def test_greedy_smollm2_constrained_with_drafter_equals_without(smollm2_engine, smollm2_questions):
+    from conftest import _smollm2
+
+    plain = smollm2_constrained(smollm2_engine, smollm2_questions)
+    speculative = _smollm2("default")
+    assert smollm2_constrained(speculative, smollm2_questions) == plain
+    assert speculative.scheduler.stats.num_draft_accepted > 0
+    decode = smollm2_engine.tokenizer.decode
+    person = json.loads(decode(plain[0], skip_special_tokens=True))
+    jsonschema.validate(person, PERSON)
+    assert decode(plain[1]).startswith("{")  # any JSON object (this one reaches max_tokens)
+    assert decode(plain[3], skip_special_tokens=True) in ("positive", "negative")
+
+
+# ---- overlap: a constrained request waits for its results, the others do not ----
+
+
+def test_constrained_request_never_in_flight_twice_while_others_overlap(tiny_dir, tiny_drafter_dir):
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, overlap=True)
+    engine.scheduler.grammars = raw_grammars(64, stop=63)
+    spec = StructuredSpec(kind="regex", spec="[a-z]{40}")
+    plans, execute = [], engine.executor.execute
+    engine.executor.execute = lambda plan: plans.append(plan) or execute(plan)
+    free, constrained = run_to_completion(
+        engine,
+        tiny_prompts(2, seed=4),
+        [
+            SamplingParams(max_tokens=40, ignore_eos=True),
+            SamplingParams(max_tokens=40, structured=spec),
+        ],
+    )
+    slot_rows = [[s for s in p.slots] for p in plans]
+    with_both = [i for i, s in enumerate(slot_rows) if len(s) == 2]
+    assert with_both and len(free.output_ids) == len(constrained.output_ids) == 40
+    free_slot = plans[0].slots[0]
+    # the unconstrained request is in every step until it ends; the other in every second one
+    first_out = next(i for i, s in enumerate(slot_rows) if free_slot not in s)
+    assert all(free_slot in s for s in slot_rows[:first_out])
+    has_constrained = [len(p.grammar_rows) > 0 for p in plans[:first_out]]
+    assert not any(a and b for a, b in zip(has_constrained, has_constrained[1:]))
+
+
+# ---- sampled: the masked, renormalised distribution ----
+
+
+def masked_joint(model_dir, grammars: Grammars, spec: StructuredSpec):
+    """P(t1, t2, t3) [V, V, V] at temperature 1 under the grammar, and the conditionals, from a
+    Hugging Face forward of every prefix and a fresh matcher's allowed tokens after it."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+    def next_probs(prefixes):
+        with torch.no_grad():
+            logits = hf(torch.tensor([PROMPT + p for p in prefixes])).logits[:, -1].double()
+        probs = torch.softmax(logits, -1)
+        for row, prefix in enumerate(prefixes):
+            matcher = xgr.GrammarMatcher(grammars.compile(spec))
+            if all(matcher.accept_token(t) for t in prefix):
+                probs[row] *= allowed_after(grammars, spec, prefix)
+            else:
+                probs[row] = 0.0
+        return probs / probs.sum(-1, keepdim=True).clamp(min=1e-300)
+
+    p1 = next_probs([[]])[0]
+    p2 = next_probs([[a] for a in range(V16)])
+    p3 = next_probs([[a, b] for a in range(V16) for b in range(V16)]).view(V16, V16, V16)
+    return p1[:, None, None] * p2[:, :, None] * p3, (p2, p3)
+
+
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=3, structured=TREE)
+
+
+def sample_constrained(v16_dirs, drafts: str, k: int, siblings: int):
+    grammars = raw_grammars(V16, stop=15)
+    joint, conditionals = masked_joint(v16_dirs[0], grammars, TREE)
+    engine = _engine(v16_dirs, drafts != "none", k, siblings=siblings)
+    engine.scheduler.grammars = grammars
+    oracle = (lambda _: set_oracle_drafts(engine, conditionals)) if drafts == "oracle" else None
+    counts = sample_first_three(engine, SAMPLED, after_step=oracle)
+    return chi2_pvalue(counts, joint), engine.scheduler.stats
+
+
+def set_oracle_drafts(engine, conditionals) -> None:
+    """test_lossless's oracle drafts (likely under the masked tables, so often accepted), written
+    on the device and told to the host's grammar, which builds the next masks along them."""
+    runner, K = engine.executor, engine.executor.K
+    live = [
+        r for r in engine.scheduler.running.values() if not r.is_finished and r.slot is not None
+    ]
+    for r in live:
+        r.drafts = oracle_drafts(conditionals, r.output_ids, K, runner.M)
+    if live:
+        slots = torch.tensor([r.slot for r in live])
+        runner.state.drafts[slots, :K] = torch.tensor([r.drafts[0] for r in live])
+        if runner.M:
+            runner.state.siblings[slots, :, :K] = torch.tensor([r.drafts[1] for r in live])
+
+
+@pytest.mark.parametrize(
+    "drafts, k, siblings", [("none", 1, 0), ("random", 3, 0), ("oracle", 3, 0), ("oracle", 2, 1)]
+)
+def test_sampled_constrained_distribution_is_the_masked_one(v16_dirs, drafts, k, siblings):
+    p_value, stats = sample_constrained(v16_dirs, drafts, k, siblings)
+    print(f"chi-square p-value {p_value:.3g}")
+    assert p_value > 1e-3
+    if drafts == "oracle":
+        assert stats.accepted_at[0] > 0.3 * stats.num_verify_rows
+
+
+def test_unmasked_draft_positions_are_caught(v16_dirs, monkeypatch):
+    """WRONG: only the pending token's row masked, the drafts' positions left free."""
+    from speculative.grammar import RequestGrammar
+
+    fill = RequestGrammar.fill
+    monkeypatch.setattr(RequestGrammar, "fill", lambda self, rows, d, s: fill(self, rows, [], []))
+    p_value, _ = sample_constrained(v16_dirs, "oracle", 3, 0)
+    assert p_value < 1e-6
+
+
+def test_constrained_steps_make_no_host_sync(tiny_dir, tiny_drafter_dir):
+    """Masks written, applied, drafts sent back, greedy and sampled, chain and tree: no step
+    forces a host synchronisation (workers/sync_guard.py)."""
+    spec = StructuredSpec(kind="regex", spec="[a-p]{5}[q-z]+")
+    for siblings in (0, 2):
+        engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, draft_siblings=siblings)
+        engine.scheduler.grammars = raw_grammars(64, stop=63)
+        engine.executor.check_host_sync = True
+        params = [
+            SamplingParams(max_tokens=12, structured=spec, temperature=t, stop_token_ids=[63])
+            for t in (0.0, 1.0)
+        ]
+        requests = run_to_completion(engine, tiny_prompts(2, seed=8), params)
+        for r in requests:  # ended by the grammar, or cut by max_tokens inside it
+            text = "".join(chr(ord("a") + t) for t in r.output_ids if t != 63)
+            ended = r.output_ids[-1] == 63
+            assert re.fullmatch(r"[a-p]{5}[q-z]" + ("+" if ended else "*"), text), text
