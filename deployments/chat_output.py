@@ -165,7 +165,7 @@ class ToolCallStream:
     def finish(self) -> list[dict]:
         text, self.buffer = self.buffer, ""
         if self.forced is not None:
-            return self._emit(parse_forced(text, self.forced))
+            return self._emit(parse_forced(text))
         body = text.lstrip().removeprefix("<|python_tag|>")
         if self.parser == "hermes" and self.in_call:
             text, body = f"<tool_call>{text}", text

@@ -225,7 +225,7 @@ class OpenAIIngress:
     async def chat(self, request: Request):
         req = await self._parse(request, ChatCompletionRequest)
         tools = req.tool_dicts()
-        schema = forced_tool_call_schema(tools, req.tool_choice_value())
+        schema = forced_tool_call_schema(tools, req.tool_choice_value(), req.parallel_tool_calls)
         ids, prompt_text = self.template.encode(req, tools)
         choices = self._choices(req, [ids], req.max_completion_tokens or req.max_tokens, "messages")
         if schema is not None:  # the reply is the call: valid JSON for its parameters' schema

@@ -1,11 +1,13 @@
-"""Tool calls in the model's words: the parsers for the formats model families use, the prompt
-that shows tools to a template that does not read them, and the gate of forced calls."""
+"""Tool calls in the model's words: the parsers for the formats model families use, the prompt that
+shows tools to a template that does not read them, and forced calls (a grammar-constrained JSON list
+of calls)."""
 
 import json
 import re
 import uuid
 
 from deployments.protocol import APIError
+from speculative.grammar import tool_call_schema
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "json")
 
@@ -112,35 +114,26 @@ CALL_STARTS = {
 }
 
 
-def forced_tool_call_schema(tools: list[dict], tool_choice) -> dict | None:
+def forced_tool_call_schema(tools: list[dict], tool_choice, parallel: bool = True) -> dict | None:
     """tool_choice "required" or a named function: the JSON schema the reply is constrained to
-    (speculative/grammar.py's `tool_call_schema`); None for "none" and "auto".
-
-    THE ONE PLACE TO SWITCH once structured outputs are merged: replace the raise with
-    `return tool_call_schema(tools, tool_choice)` (the caller sets the structured-output field)."""
+    (a list of {"name", "arguments"}, speculative/grammar.py); None for "none" and "auto"."""
     if tool_choice in (None, "none", "auto"):
         return None
-    raise APIError(
-        400,
-        "tool_choice 'required' or a named function requires structured outputs, which this "
-        "server does not have yet; use tool_choice 'auto'",
-        param="tool_choice",
-        code="unsupported_parameter",
-    )
+    try:
+        return tool_call_schema(tools, tool_choice, parallel)
+    except ValueError as e:
+        raise APIError(400, str(e), param="tool_choice", code="invalid_value") from None
 
 
 def constrained(params, schema: dict):
-    """The sampling parameters with the reply constrained to the schema (structured outputs'
-    field; validated, so a wrong field name fails loudly)."""
-    update = {"structured_outputs": {"json": schema}}
-    return type(params).model_validate(params.model_dump() | update)
+    """The sampling parameters with the reply constrained to the schema (validated again: a
+    constraint cannot go with ignore_eos or min_tokens)."""
+    structured = {"kind": "json", "spec": json.dumps(schema)}
+    return type(params).model_validate(params.model_dump() | {"structured": structured})
 
 
-def parse_forced(text: str, tool_choice) -> list[dict]:
-    """The calls in a reply constrained by `forced_tool_call_schema` (vLLM's shapes): a named
-    function's reply is its arguments; "required"'s a list of {"name", "parameters"}."""
-    if isinstance(tool_choice, dict):
-        return [{"name": tool_choice["function"]["name"], "arguments": text.strip()}]
+def parse_forced(text: str) -> list[dict]:
+    """The calls in a reply constrained by `forced_tool_call_schema`: a JSON list of them."""
     try:
         return _calls(json.loads(text)) or []
     except ValueError:

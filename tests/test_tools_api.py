@@ -115,10 +115,33 @@ def test_a_tool_call_history_is_rendered_and_answered(client, base_url):
 @pytest.mark.parametrize(
     "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
 )
-def test_forced_tool_choice_needs_structured_outputs(client, tool_choice):
-    with pytest.raises(openai.BadRequestError, match="structured outputs") as e:
-        chat(client, CALL_ME, tools=[WEATHER], tool_choice=tool_choice)
-    assert e.value.body["param"] == "tool_choice"
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_choice_gives_a_call_that_validates(client, tool_choice, stream):
+    """tool_choice "required" or a named function: the reply is a grammar-constrained call whose
+    arguments satisfy the function's parameters, whole or streamed, finish_reason tool_calls."""
+    import jsonschema
+
+    kw = {"tools": [WEATHER], "tool_choice": tool_choice, "max_tokens": 64}
+    if not stream:
+        choice = chat(client, CALL_ME, **kw).choices[0]
+        calls, finish = choice.message.tool_calls, choice.finish_reason
+        named = [(c.function.name, c.function.arguments) for c in calls]
+    else:
+        parts, finish = {}, None
+        for chunk in chat(client, CALL_ME, stream=True, **kw):
+            for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                name, text = parts.get(d.index, ("", ""))
+                parts[d.index] = (
+                    name + (d.function.name or ""),
+                    text + (d.function.arguments or ""),
+                )
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+        named = list(parts.values())
+    assert finish == "tool_calls" and named
+    for name, arguments in named:
+        assert name == "get_weather"
+        jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
 
 
 @pytest.mark.parametrize(
