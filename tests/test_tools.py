@@ -179,14 +179,12 @@ def test_a_missing_template_file_is_a_config_error(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "forced, text",
-    [
-        ({"type": "function", "function": {"name": "get_weather"}}, ARGS),
-        ("required", json.dumps([{"name": "get_weather", "parameters": CALL["arguments"]}])),
-    ],
+    "forced", [{"type": "function", "function": {"name": "get_weather"}}, "required"]
 )
-def test_forced_replies_are_read_as_calls(forced, text):
-    """tool_choice named or "required": the constrained reply (vLLM's shapes) is the call."""
+def test_forced_replies_are_read_as_calls(forced):
+    """tool_choice named or "required": the constrained reply (a JSON list of calls, the shape
+    speculative/grammar.py's tool_call_schema allows) is the call."""
+    text = json.dumps([{"name": "get_weather", "arguments": CALL["arguments"]}])
     message = _message(text, forced=forced)
     assert message["content"] is None
     assert _calls(message) == [("get_weather", CALL["arguments"])]
