@@ -58,6 +58,18 @@ def summed(replicas: dict[str, dict]) -> dict:
         sum(s["accepted_at"][i] for s in stats if i < len(s["accepted_at"])) for i in range(width)
     ]
     total["healthy"] = all(s["healthy"] for s in stats)
+    total["scheduler"] = _summed_scheduler([s["scheduler"] for s in stats if "scheduler" in s])
+    return total
+
+
+def _summed_scheduler(metrics: list[dict]) -> dict:
+    """The schedulers' metrics (vLLM's names): counts and totals summed, the KV cache usage
+    (a fraction) averaged."""
+    if not metrics:
+        return {}
+    total = {name: sum(m[name] for m in metrics) for name in metrics[0]}
+    if "kv_cache_usage_perc" in total:
+        total["kv_cache_usage_perc"] /= len(metrics)
     return total
 
 
