@@ -205,6 +205,26 @@ def test_draft_tree_drafts_the_same_in_graphs():
     assert eager[0] == chain[0] and eager[1] > chain[1]
 
 
+def test_prefills_after_a_cached_prefix_replay_the_graph():
+    """One request at a time: every prompt after the first starts past the chat template's cached
+    blocks, and still prefills in the graph, with the eager path's tokens."""
+
+    def one_by_one(graphs: bool):
+        cfg = EngineConfig(model=MODEL, drafter=DRAFTER, num_draft_tokens=3, max_model_len=512,
+                           device="cuda", dtype="float32", cuda_graphs=graphs)  # fmt: skip
+        engine = LLMEngine(cfg)
+        outputs = []
+        for q in QUESTIONS:
+            prompt = encode_prompt(engine.tokenizer, q)
+            outputs += [r.output_ids for r in engine.generate([prompt], SamplingParams())]
+        assert engine.scheduler.metrics()["prefix_cache_hits_total"] > 0
+        return outputs, engine.executor.graphs.prefill
+
+    graphed, prefill_graphs = one_by_one(graphs=True)
+    assert prefill_graphs.replays == len(QUESTIONS)
+    assert graphed == one_by_one(graphs=False)[0]
+
+
 def test_no_host_sync_inside_steps():
     plain = _generate("none", graphs=True, max_tokens=16)
     assert _generate(DRAFTER, graphs=True, check_sync=True, max_tokens=16) == plain

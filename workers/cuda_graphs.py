@@ -51,6 +51,7 @@ class StepGraphs:
         self.lengths = lengths
         self.inputs = inputs
         self.max_tokens = max_tokens  # skip buckets of more than batch x length tokens
+        self.replays = 0
         self.graphs: dict[
             tuple[int, int], tuple[list[torch.Tensor], tuple, torch.cuda.CUDAGraph]
         ] = {}
@@ -85,9 +86,12 @@ class StepGraphs:
         self.pool = graph.pool()
         self.graphs[(batch, length)] = (inputs, outputs, graph)
 
+    def bucket_length(self, length: int) -> int | None:
+        return next((x for x in self.lengths if x >= length), None)
+
     def _bucket(self, batch: int, length: int) -> tuple[int, int] | None:
         b = next((x for x in self.batch_buckets if x >= batch), None)
-        n = next((x for x in self.lengths if x >= length), None)
+        n = self.bucket_length(length)
         return (b, n) if (b, n) in self.graphs else None
 
     def fits(self, batch: int, length: int) -> bool:
@@ -107,6 +111,7 @@ class StepGraphs:
                 tensor[:B].copy_(value)
             tensor[B:].fill_(spec.pad)
         graph.replay()
+        self.replays += 1
         return tuple(o[:B] for o in outputs)
 
 
@@ -141,7 +146,9 @@ def capture_step_graphs(runner) -> StepGraphSet:
     cache_len = runner.kv.cache_len
     max_tokens = min(PREFILL_GRAPH_TOKENS, runner.resources.features.shape[0])
     prompt_lengths = [n for n in kv_buckets(runner.max_model_len, 16) if n <= max_tokens]
-    prompt_inputs = [GraphInput(torch.long, pad=1), GraphInput(torch.long, per_token=True)]
+    # lens, starts (past a cached prefix), ids
+    prompt_inputs = [GraphInput(torch.long, pad=1), GraphInput(torch.long)]
+    prompt_inputs.append(GraphInput(torch.long, per_token=True))
     graphs = StepGraphSet()
     graphs.prefill = StepGraphs(
         runner._prefill_greedy, slots, prompt_lengths, dummy, prompt_inputs, dev, max_tokens

@@ -174,11 +174,13 @@ class ModelRunner:
         self.state.admit(plan, inp)
         graphs = self.graphs.prefill
         logprobs = prompt = None
-        # chunks that start past 0 or end short of the prompt run eagerly
         kv_len = max(p.start + len(p.token_ids) for p in plan.prefills)
-        whole = kv_len == T and all(p.next_token < 0 for p in plan.prefills)
-        if graphs is not None and plan.graphable and whole and graphs.fits(B, T):
-            out = graphs(slots, lens, ids, kv_len=T)
+        # chunks that end short of the prompt run eagerly, and so do those after a cached prefix
+        # that would pad them into a larger graph than the chunk alone
+        last = all(p.next_token < 0 for p in plan.prefills)
+        same = graphs is not None and graphs.bucket_length(kv_len) == graphs.bucket_length(T)
+        if same and plan.graphable and last and graphs.fits(B, kv_len):
+            out = graphs(slots, lens, inp["prefill_starts"], ids, kv_len=kv_len)
         else:
             out, logprobs, prompt = self._prefill_eager(plan, slots, lens, ids, kv_len, inp)
         if self.drafter is not None:
@@ -191,22 +193,22 @@ class ModelRunner:
             self.state.count_outputs(slots, tokens[:, :1], emitted.unsqueeze(1).bool())
         return tokens, emitted, logprobs, seed, prompt
 
-    def _prefill_pass(self, slots, lens, ids, kv_len: int, starts=None):
+    def _prefill_pass(self, slots, lens, ids, kv_len: int, starts):
         """The target over prompts ids [B, T], padded past lens [B], from positions starts [B]
-        (None: 0). -> final hidden states [B, T, H], the forward's batch, the captured features
-        [B, T, 3H]."""
+        (past a cached prefix). -> final hidden states [B, T, H], the forward's batch, the
+        captured features [B, T, 3H]."""
         B, T = ids.shape
         columns = torch.arange(T, device=self.device).expand(B, T)
-        positions = columns if starts is None else columns + starts.unsqueeze(1)
+        positions = columns + starts.unsqueeze(1)
         batch = self.kv.batch(slots, positions, columns < lens.unsqueeze(1), kv_len)
         features = self.resources.feature_view(B, T)
         hidden, _ = self.target(ids, batch, features)
         return hidden, batch, features
 
-    def _prefill_greedy(self, slots, lens, ids, kv_len: int) -> tuple:
+    def _prefill_greedy(self, slots, lens, starts, ids, kv_len: int) -> tuple:
         """The CUDA-graphed prefill. -> first token [B], and with a drafter its output at the
         last prompt position [B, H] and first draft [B]."""
-        hidden, batch, features = self._prefill_pass(slots, lens, ids, kv_len)
+        hidden, batch, features = self._prefill_pass(slots, lens, ids, kv_len, starts)
         rows = torch.arange(ids.shape[0], device=self.device)
         token = self.target.logits(hidden[rows, lens - 1]).argmax(-1)
         return self._after_prefill(ids, lens, token, batch, features)
