@@ -4,7 +4,8 @@
 #           sync, the eager verification after the graphed target pass)
 #   bench   plain and EAGLE-3 K=5, overlap on, graphs on, batch 1, 8, 32, GSM8K test prompts,
 #           256 tokens: the base checkout (.device/base, `git archive <base> | tar -x`) and this
-#           tree, alternately (base, head, base, head) on the same warm machine
+#           tree, alternately (base, head, base, head) on the same warm machine; TREES lists
+#           other NAME:DIR checkouts to bench in turn
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 ROOT=$PWD
@@ -21,7 +22,8 @@ bench() {  # NAME TREE
 }
 if [[ "$PARTS" == *" bench "* ]]; then
     for round in ${ROUNDS:-1}; do
-        bench base_$round .device/base
-        bench head_$round .
+        for tree in ${TREES:-base:.device/base head:.}; do  # NAME:DIR, in this order
+            bench ${tree%%:*}_$round ${tree#*:}
+        done
     done
 fi
