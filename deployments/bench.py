@@ -209,6 +209,7 @@ def bench(
     siblings: list[int] = (0,),
     temperature: float = 0.0,
     kv_cache_memory_gb: float | None = None,
+    gpu_memory_utilization: float = 0.9,
 ) -> list[dict]:
     from speculative.coordinator import Coordinator
     from speculative.engine import encode_prompt
@@ -247,6 +248,7 @@ def bench(
             prompt_lookup=prompt_lookup if mode == "eagle" else 0.0,
             draft_siblings=num_siblings,
             kv_cache_memory_gb=kv_cache_memory_gb,
+            gpu_memory_utilization=gpu_memory_utilization,
         )
         start = time.perf_counter()
         coordinator = Coordinator(cfg)

@@ -29,6 +29,7 @@ def _engine_config(args):
         prompt_lookup=args.prompt_lookup,
         draft_siblings=args.draft_siblings,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
 
 
@@ -336,6 +337,7 @@ def cmd_bench(args) -> None:
             siblings=siblings,
             temperature=args.temperature,
             kv_cache_memory_gb=args.kv_cache_memory_gb,
+            gpu_memory_utilization=args.gpu_memory_utilization,
         )
     finally:
         ray.shutdown()

@@ -17,6 +17,7 @@ ENGINE_FLAGS = (
     "prompt_lookup",
     "draft_siblings",
     "kv_cache_memory_gb",
+    "gpu_memory_utilization",
 )
 
 
@@ -34,25 +35,40 @@ def engine_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     left unset keeps the --config file's value."""
     from speculative.config import EngineConfig
 
-    def add(*names, **kw):
+    def add(*names, shown=None, **kw):  # shown: how the help names a default of None
         field = names[0].lstrip("-").replace("-", "_")
         default = EngineConfig.model_fields[field].default
         if serve:
-            kw["help"] += f" (default: {default}, or the --config file's)"
+            kw["help"] += f" (default: {shown or default}, or the --config file's)"
+        elif shown:
+            kw["help"] += f" (default: {shown})"
         p.add_argument(*names, default=None if serve else default, **kw)
 
     add("--model", help="model name, HF directory or .gguf file")
     add("--drafter", help="'default', 'none' or an EAGLE-3 drafter directory")
     add("--num-draft-tokens", "-k", type=int, help="draft tokens per step (K)")
     add("--max-batch-size", type=int, help="requests decoded together at most")
-    add("--max-model-len", type=int, help="prompt + output tokens per request at most")
+    add(
+        "--max-model-len",
+        type=int,
+        help="prompt + output tokens per request at most",
+        shown="the model's max_position_embeddings",
+    )
     add("--device", choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
     add("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="weights' dtype")
     add("--tp", type=int, help="tensor-parallel size (runs on Ray when > 1)")
     add(
         "--kv-cache-memory-gb",
         type=float,
-        help="GiB of KV cache blocks per rank (None: every request slot at max-model-len)",
+        help="GiB of KV cache blocks per rank",
+        shown="on CUDA what --gpu-memory-utilization leaves; on CPU every request slot at "
+        "max-model-len, at most 1 GiB",
+    )
+    add(
+        "--gpu-memory-utilization",
+        type=float,
+        help="fraction of the GPU's memory the engine may use (weights, activations, CUDA graphs "
+        "and the KV cache), when --kv-cache-memory-gb is not set",
     )
     p.add_argument(
         "--no-overlap", action="store_true", help="process each step's results before the next"
@@ -219,7 +235,16 @@ def _bench_parser(sub) -> None:
     b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda")
     b.add_argument("--max-model-len", type=int, default=1024, help="the engines' context")
     b.add_argument(
-        "--kv-cache-memory-gb", type=float, default=None, help="GiB of KV cache blocks per rank"
+        "--kv-cache-memory-gb",
+        type=float,
+        default=None,
+        help="GiB of KV cache blocks per rank (default: what --gpu-memory-utilization leaves)",
+    )
+    b.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of the GPU's memory each engine may use",
     )
     b.add_argument("-o", "--output", type=Path, default=Path("benchmarks/bench.json"), help="JSON")
 

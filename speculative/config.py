@@ -105,12 +105,17 @@ class EngineConfig(BaseModel):
     # H200 at batch 1, 8 and 32 (BENCHMARKS.md, run E); on CPU the two were within noise
     num_draft_tokens: int = Field(5, ge=1, le=16)
     max_batch_size: int = Field(8, ge=1, le=1024)
-    max_model_len: int = Field(2048, ge=16)  # prompt + output tokens per request
+    # prompt + output tokens per request; None: the model's max_position_embeddings (a larger
+    # value is capped to them)
+    max_model_len: int | None = Field(None, ge=16)
     max_num_batched_tokens: int = Field(4096, ge=16)  # prefill tokens per step
     memory_budget_gb: float | None = Field(None, gt=0)  # caps max_batch_size by KV cache size
-    # the paged KV pool (workers/kv_cache.py): its size (default: max_batch_size requests at full
-    # length), tokens per block, and whether full blocks of earlier requests are reused
+    # the paged KV pool (workers/kv_sizing.py): its size in GiB per rank, which always wins; else
+    # on CUDA what gpu_memory_utilization x the GPU leaves after the weights, a profiled peak
+    # step and the CUDA graphs, on CPU every slot at full length up to 1 GiB. Then tokens per
+    # block, and whether full blocks of earlier requests are reused
     kv_cache_memory_gb: float | None = Field(None, gt=0)
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     kv_block_size: int = Field(16, ge=16, le=1024, multiple_of=16)
     enable_prefix_caching: bool = True
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

@@ -159,6 +159,9 @@ def test_mistral_sliding_window_shorter_than_the_context_is_refused(dirs):
     assert ModelConfig.from_hf(config).max_len(512) == 512  # null: no window
     with pytest.raises(ValueError, match="sliding_window 128 is shorter than the context"):
         ModelConfig.from_hf(config | {"sliding_window": 128}).max_len(256)
+    # by default the context is the window's, where it is shorter than the positions
+    assert ModelConfig.from_hf(config | {"sliding_window": 128}).max_len(None) == 128
+    assert ModelConfig.from_hf(config).max_len(None) == config["max_position_embeddings"]
 
 
 def test_sampled_distribution_qwen3(tmp_path):
@@ -195,7 +198,8 @@ def test_start_log_says_kv_per_token_and_concurrency(dirs, caplog):
     line = next(r.getMessage() for r in caplog.records if "bytes per token" in r.getMessage())
     assert "weights 0.00 GiB on this rank" in line
     assert f"KV cache {4 * 2 * 24 * 2 * 4} bytes per token" in line
-    # by default the pool holds every slot at full length
+    # by default on CPU the pool holds every slot at full length (1 GiB at most)
+    assert "sized by the CPU default of every slot at full length" in line
     tokens = 3 * kv.cache_len
     assert f"{kv.num_blocks} blocks of {kv.block_size} = {tokens} tokens of KV fit" in line
     assert f"maximum concurrency {tokens / 200:.2f} requests at max_model_len 200" in line

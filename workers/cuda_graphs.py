@@ -47,6 +47,9 @@ class StepGraphs:
     ):
         self.fn, self.dummy_slot, self.device = fn, dummy_slot, device
         self.pool = None  # a memory pool shared with graphs captured before (set by the caller)
+        # where warm-ups run (set by the caller): one for all, since the allocator keeps what a
+        # stream freed for that stream, and a new torch.cuda.Stream() cycles through 32
+        self.side_stream = None
         self.batch_buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
         self.lengths = lengths
         self.inputs = inputs
@@ -75,7 +78,7 @@ class StepGraphs:
             )
             for spec in self.inputs
         ]
-        side = torch.cuda.Stream()
+        side = self.side_stream or torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm up lazily initialised kernels outside the capture
             self.fn(*inputs, kv_len=length)
@@ -141,6 +144,8 @@ def capture_step_graphs(runner) -> StepGraphSet:
     or the target pass (whose output the eager verification reads before anything else
     replays), then the draft chain."""
     start = time.perf_counter()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     free_before = torch.cuda.mem_get_info()[0]
     slots, dummy, dev = runner.num_slots, runner.kv.dummy_slot, runner.device
     cache_len = runner.kv.cache_len
@@ -166,6 +171,7 @@ def capture_step_graphs(runner) -> StepGraphSet:
         )
     _capture_in_one_pool(graphs.all())
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # what the warm-ups left cached: the graphs keep only their pool
     graphs.pool_bytes = free_before - torch.cuda.mem_get_info()[0]
     log.info(
         "rank %d: captured %d CUDA graphs in %.1f s (%.1f MiB)",
@@ -184,10 +190,10 @@ def _capture_in_one_pool(graphs: list[StepGraphs]) -> None:
     # captures without it.
     use_cudnn = os.environ.get("EAGLESERVE_CUDNN_IN_GRAPHS", "1") != "0"
     torch.backends.cuda.enable_cudnn_sdp(use_cudnn)
-    pool = None
+    pool, side_stream = None, torch.cuda.Stream()
     try:
         for g in graphs:
-            g.pool = pool
+            g.pool, g.side_stream = pool, side_stream
             g.capture_all()
             pool = g.pool
     finally:

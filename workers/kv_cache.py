@@ -1,5 +1,5 @@
-"""KV caches of the target and the drafter: a paged pool of fixed-size blocks, sizing, and
-addressing their rows.
+"""KV caches of the target and the drafter: a paged pool of fixed-size blocks (sized by
+workers/kv_sizing.py), and addressing their rows.
 
 Layout per layer: [2 (k, v), num_blocks + 1, block_size, kv_heads, head_dim]; the last block is a
 dummy that padding tokens (and rows past a request's blocks) write into. block_table[slot, i] is
@@ -57,30 +57,14 @@ def allocate_pool(
     return torch.zeros(size, dtype=dtype, device=device)
 
 
-def slots_that_fit(max_batch_size: int, budget_gb: float | None, per_slot_bytes: int) -> int:
-    """Request slots: max_batch_size, fewer where the memory budget holds fewer caches."""
-    if budget_gb is None:
-        return max_batch_size
-    fits = int(budget_gb * 2**30 // per_slot_bytes)
-    if fits < 1:
-        raise ValueError(
-            f"memory_budget_gb={budget_gb} holds no request slot "
-            f"({per_slot_bytes / 2**20:.1f} MiB of KV cache per slot)"
-        )
-    return min(max_batch_size, fits)
+def kv_shapes(target, drafter, tp: int) -> tuple[KVShape, KVShape | None]:
+    """A rank's KV rows: the target's layers, and the drafter's one layer (or None)."""
+    target_kv = KVShape.of(target.cfg, tp, target.cfg.num_hidden_layers)
+    return target_kv, KVShape.of(drafter.cfg, tp, 1) if drafter is not None else None
 
 
-def blocks_that_fit(pool_gb: float | None, per_block_bytes: int, default: int) -> int:
-    """Pool blocks: what kv_cache_memory_gb holds, or `default` (every slot at full length)."""
-    if pool_gb is None:
-        return default
-    fits = int(pool_gb * 2**30 // per_block_bytes)
-    if fits < 1:
-        raise ValueError(
-            f"kv_cache_memory_gb={pool_gb} holds no KV block "
-            f"({per_block_bytes / 2**10:.1f} KiB per block)"
-        )
-    return fits
+def bytes_per_token(shapes, dtype: torch.dtype) -> int:
+    return sum(s.bytes_per_token(dtype) for s in shapes if s is not None)
 
 
 def write_kv(pool: torch.Tensor, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -111,6 +95,7 @@ class KVCache:
         self.cache_len = self.max_blocks * block_size
         self.dummy_slot, self.dummy_block = num_slots, num_blocks
         self.device = device
+        self.sized_by = ""  # the rule that sized the pool (workers/kv_sizing.py), for the log
         self.target = allocate_pool(target, num_blocks, block_size, dtype, device)
         self.drafter = None
         if drafter is not None:
@@ -124,21 +109,12 @@ class KVCache:
             self.block_table[:num_slots] = contiguous.view(num_slots, self.max_blocks)
 
     @classmethod
-    def for_models(cls, target, drafter, tp: int, cfg, cache_len: int, dtype, device):
-        """Pools for a rank's target and drafter (or None): as many slots as `cfg` allows, as
-        many blocks as kv_cache_memory_gb holds (default: every slot at full length)."""
-        target_kv = KVShape.of(target.cfg, tp, target.cfg.num_hidden_layers)
-        drafter_kv = KVShape.of(drafter.cfg, tp, 1) if drafter is not None else None
-        per_token = sum(s.bytes_per_token(dtype) for s in (target_kv, drafter_kv) if s)
-        block_size = cfg.kv_block_size
-        max_blocks = -(-cache_len // block_size)
-        per_slot = per_token * max_blocks * block_size
-        num_slots = slots_that_fit(cfg.max_batch_size, cfg.memory_budget_gb, per_slot)
-        num_blocks = blocks_that_fit(
-            cfg.kv_cache_memory_gb, per_token * block_size, num_slots * max_blocks
-        )
-        kv = cls(target_kv, drafter_kv, num_slots, cache_len, num_blocks, block_size, dtype,
-                 device)  # fmt: skip
+    def for_models(cls, target, drafter, tp: int, size, cache_len: int, dtype, device):
+        """Pools for a rank's target and drafter (or None), as big as `size` (a PoolSize of
+        workers/kv_sizing.py) says, bound to their attention modules."""
+        shapes, bs = kv_shapes(target, drafter, tp), size.block_size
+        kv = cls(*shapes, size.num_slots, cache_len, size.num_blocks, bs, dtype, device)
+        kv.sized_by = size.rule
         kv.bind(target.attention_modules(), drafter.midlayer.self_attn if drafter else None)
         return kv
 
@@ -157,7 +133,7 @@ class KVCache:
         return (
             f"KV cache {self.bytes_per_token} bytes per token; {self.num_blocks} blocks of "
             f"{self.block_size} = {tokens} tokens of KV fit ({self.nbytes / 2**20:.1f} MiB, "
-            f"target and drafter); maximum concurrency "
+            f"target and drafter; sized by {self.sized_by or 'hand'}); maximum concurrency "
             f"{tokens / max_model_len:.2f} requests at max_model_len {max_model_len} "
             f"({self.num_slots} request slots)"
         )

@@ -29,8 +29,10 @@ from workers.build import load_models, weight_bytes
 from workers.cuda_graphs import StepGraphSet, capture_step_graphs
 from workers.device import pick_device, pick_dtype
 from workers.kv_cache import KVCache
+from workers.kv_sizing import PoolSize, cache_rows
 from workers.layers import tp_rank_size
 from workers.loader import resolve_model
+from workers.memory_profile import memory_at_start, size_pool
 from workers.models import ModelConfig
 from workers.slot_state import SlotState
 from workers.step_io import StepOutput, prepare_inputs, send_back
@@ -59,10 +61,8 @@ class ModelRunner:
         self.M = cfg.draft_siblings if self.K else 0  # siblings per depth in the draft tree
         self.T = 1 + self.K * (self.M + 1)  # tokens per row in the verify pass
         self.max_model_len = self.target_cfg.max_len(cfg.max_model_len)
-        # room for K+1 tokens past the last real one, twice (a step in flight may overrun a
-        # finished request), and for the verify pass's siblings past the chain
-        cache_len = self.max_model_len + 2 * (self.K + 1) + self.K * self.M + 1
-        cache_len = -(-cache_len // cfg.kv_block_size) * cfg.kv_block_size  # whole blocks
+        cache_len = cache_rows(self.max_model_len, self.K, self.M, cfg.kv_block_size)
+        at_start = memory_at_start(self.device, cfg)
         self.target, self.drafter = load_models(
             cfg, self.target_cfg, model_dir, group, self.device, self.dtype, cache_len
         )
@@ -70,7 +70,8 @@ class ModelRunner:
         log.info(
             "rank %d: loaded %s (drafter %s) in %.1f s", self.rank, cfg.model, cfg.drafter, seconds
         )
-        self._allocate(cache_len)
+        self.graphs = StepGraphSet()
+        self._allocate(cache_len, size_pool(self, cache_len, at_start))
         log.info(
             "rank %d: weights %.2f GiB on this rank; %s; Eagle3 resource manager %.1f MiB",
             self.rank,
@@ -78,16 +79,15 @@ class ModelRunner:
             self.kv.capacity(self.max_model_len),
             self.resources.nbytes / 2**20,
         )
-        self.graphs = StepGraphSet()
         if cfg.cuda_graphs and self.device.type == "cuda":
             with torch.inference_mode():
                 self.graphs = capture_step_graphs(self)
 
-    def _allocate(self, cache_len: int) -> None:
+    def _allocate(self, cache_len: int, size: PoolSize) -> None:
         cfg, tc, drafter, dev = self.cfg, self.target_cfg, self.drafter, self.device
-        self.kv = KVCache.for_models(self.target, drafter, self.tp, cfg, cache_len, self.dtype, dev)
-        self.num_slots, self.num_blocks = self.kv.num_slots, self.kv.num_blocks
-        self.block_size = self.kv.block_size
+        kv = KVCache.for_models(self.target, drafter, self.tp, size, cache_len, self.dtype, dev)
+        self.kv, self.num_slots, self.num_blocks = kv, kv.num_slots, kv.num_blocks
+        self.block_size = kv.block_size
         self.resources = Eagle3ResourceManager(
             self.num_slots,
             max(cfg.max_num_batched_tokens, self.num_slots * self.T),

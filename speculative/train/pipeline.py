@@ -27,6 +27,10 @@ def distill(cfg: TrainConfig) -> TokenStore:
     prompts that the parts already in the data directory cover."""
     from speculative.config import EngineConfig
     from speculative.engine import LLMEngine
+    from workers.device import pick_device, pick_dtype
+    from workers.kv_sizing import full_length_gb
+    from workers.loader import resolve_model
+    from workers.models import ModelConfig
 
     d = cfg.distill
     if not d.prompt_files:
@@ -35,6 +39,10 @@ def distill(cfg: TrainConfig) -> TokenStore:
         )
     skip = d.skip_prompts + (len(load_data(cfg.data_dir)) if data_parts(cfg.data_dir) else 0)
     max_len = d.max_prompt_len + d.max_tokens + 1
+    # every slot at full length, not gpu_memory_utilization's share of the GPU: engines sharing
+    # one (num_workers) start together, and each would count the others' memory as its own
+    dtype = pick_dtype("auto", pick_device(cfg.device))
+    target_cfg = ModelConfig.from_dir(resolve_model(cfg.model))
     engine_cfg = EngineConfig(
         model=cfg.model,
         drafter="none",
@@ -43,6 +51,7 @@ def distill(cfg: TrainConfig) -> TokenStore:
         # the runner pads a prefill batch to its longest prompt: budget for the padded size
         max_model_len=max_len,
         max_num_batched_tokens=max(max_len, d.max_batch_size * d.max_prompt_len),
+        kv_cache_memory_gb=full_length_gb(target_cfg, d.max_batch_size, max_len, dtype),
     )
     start = time.perf_counter()  # the engines' start counts: it is part of every job's time
     if d.num_workers > 1:

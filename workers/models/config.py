@@ -1,10 +1,13 @@
 """The target's checked model config: read once from config.json, then passed down."""
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from workers.rotary import ROPE_TYPES
+
+log = logging.getLogger(__name__)
 
 # architecture -> model_type; keep in step with MODELS in models/__init__.py
 SUPPORTED_ARCHITECTURES = {
@@ -82,9 +85,19 @@ class ModelConfig:
     def from_dir(cls, model_dir: Path) -> "ModelConfig":
         return cls.from_hf(load_config(model_dir), str(Path(model_dir) / "config.json"))
 
-    def max_len(self, requested: int) -> int:
-        """The sequence length served: the requested one, within the model's positions."""
-        max_len = min(requested, self.max_position_embeddings)
+    def max_len(self, requested: int | None) -> int:
+        """The sequence length served: max_model_len within the model's positions (a larger one
+        is capped, with a warning); by default all of them, or a sliding window's worth."""
+        limit = self.max_position_embeddings
+        if requested is None and self.sliding_window is not None:
+            limit = min(limit, self.sliding_window)  # served only while the window masks nothing
+        max_len = min(requested or limit, limit)
+        if max_len < (requested or 0):
+            log.warning(
+                "max_model_len %d is capped to the model's max_position_embeddings, %d",
+                requested,
+                max_len,
+            )
         if self.sliding_window is not None and self.sliding_window < max_len:
             raise ValueError(
                 f"sliding_window {self.sliding_window} is shorter than the context in use "

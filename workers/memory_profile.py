@@ -1,0 +1,144 @@
+"""Sizing a rank's KV pool (the arithmetic is workers/kv_sizing.py's); on CUDA without
+kv_cache_memory_gb, by measuring the GPU as vLLM does: with a pool of one block, run the engine's
+peak step (`run_peak_steps`), capture the CUDA graphs, and give the pool what
+gpu_memory_utilization leaves."""
+
+import gc
+import logging
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from speculative.config import MAX_STOP_IDS, SamplingParams
+from speculative.plan import PrefillRow, StepPlan
+from workers.cuda_graphs import capture_step_graphs
+from workers.kv_cache import bytes_per_token, kv_shapes
+from workers.kv_sizing import (
+    GpuMemory,
+    PoolSize,
+    check_holds_a_request,
+    gpu_blocks,
+    slots_that_fit,
+    static_pool_size,
+)
+
+log = logging.getLogger(__name__)
+
+START_WAIT_S = 15.0  # for the memory of an engine this one replaces, whose process may be exiting
+# every feature that allocates memory in a step: sampling, log-probabilities, penalties, bias,
+# min_tokens (the plans also turn on draft limits and grammar masks)
+HEAVIEST = SamplingParams(
+    temperature=1.0,
+    top_p=0.9,
+    top_k=50,
+    min_p=0.05,
+    logprobs=20,
+    prompt_logprobs=20,
+    frequency_penalty=0.5,
+    presence_penalty=0.5,
+    repetition_penalty=1.1,
+    logit_bias={0: 1.0},
+    min_tokens=1,
+)
+
+
+def memory_at_start(device: torch.device, cfg) -> tuple[int, int] | None:
+    """(free, total) bytes of the GPU before this engine loads anything, where its pool will be
+    sized by measuring (CUDA, no kv_cache_memory_gb); else None."""
+    if device.type != "cuda" or cfg.kv_cache_memory_gb is not None:
+        return None
+    gc.collect()  # an earlier engine of this process, unreachable but not yet collected
+    torch.cuda.empty_cache()
+    deadline = time.monotonic() + START_WAIT_S
+    free, total = torch.cuda.mem_get_info(device)
+    while free < cfg.gpu_memory_utilization * total and time.monotonic() < deadline:
+        time.sleep(0.5)
+        free, total = torch.cuda.mem_get_info(device)
+    return free, total
+
+
+def size_pool(runner, cache_len: int, at_start: tuple[int, int] | None) -> PoolSize:
+    """The runner's pool: by kv_cache_memory_gb or the CPU default, else (at_start: the GPU's
+    memory before the weights) by measuring."""
+    cfg, max_len = runner.cfg, runner.max_model_len
+    per_token = bytes_per_token(kv_shapes(runner.target, runner.drafter, runner.tp), runner.dtype)
+    size = static_pool_size(cfg, per_token, cache_len, max_len, is_cuda=at_start is not None)
+    if size is not None:
+        return size
+    num_slots = slots_that_fit(cfg, per_token * cache_len)
+    mem = measure_gpu(runner, cache_len, num_slots, at_start)
+    utilization = cfg.gpu_memory_utilization
+    num_blocks = gpu_blocks(mem, utilization, per_token * cfg.kv_block_size)
+    if runner.group is not None:  # every rank takes the smallest pool: the plans address one
+        agreed = torch.tensor([num_blocks], device=runner.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=runner.group)
+        num_blocks = int(agreed.item())
+    report = mem.report(utilization)
+    log.info("rank %d: %s -> %d KV cache blocks", runner.rank, report, num_blocks)
+    advice = mem.advice(utilization)
+    check_holds_a_request(num_blocks, cache_len // cfg.kv_block_size, max_len, report, advice)
+    rule = f"gpu_memory_utilization={utilization}"
+    return PoolSize(num_slots, num_blocks, cfg.kv_block_size, rule)
+
+
+def measure_gpu(runner, cache_len: int, num_slots: int, at_start: tuple[int, int]) -> GpuMemory:
+    """The runner's memory with a pool of one block (its per-slot state as it will be): held,
+    at the peak step, and in its CUDA graphs. Leaves the runner to be allocated again."""
+    free_at_start, total = at_start
+    runner._allocate(cache_len, PoolSize(num_slots, 1, runner.cfg.kv_block_size, "profiling"))
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        run_peak_steps(runner, cache_len)
+    except torch.cuda.OutOfMemoryError as e:
+        raise RuntimeError(
+            f"the peak step ({runner.num_slots} requests at max_model_len {runner.max_model_len}, "
+            f"{runner.cfg.max_num_batched_tokens} prefill tokens) does not fit the GPU beside the "
+            "weights: lower max_batch_size, max_model_len or max_num_batched_tokens"
+        ) from e
+    torch.cuda.synchronize()
+    peak_step = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+    graphs = 0
+    if runner.cfg.cuda_graphs:
+        with torch.inference_mode():
+            graphs = capture_step_graphs(runner).pool_bytes  # released once dropped
+        gc.collect()
+    torch.cuda.empty_cache()
+    engine = free_at_start - torch.cuda.mem_get_info(runner.device)[0]
+    # at least what torch holds: memory another process freed since the start would lower it
+    engine = max(engine, torch.cuda.memory_reserved())
+    return GpuMemory(total, free_at_start, engine, peak_step, graphs)
+
+
+def run_peak_steps(runner, cache_len: int) -> None:
+    """The largest step the engine runs, as two plans: every slot prefilling its share of
+    max_num_batched_tokens at the end of its context (chunks of long prompts), then every slot
+    verifying; both read cache_len rows a request. Leaves the slots' state to be discarded."""
+    num_slots, max_len = runner.num_slots, runner.max_model_len
+    length = max(1, min(runner.cfg.max_num_batched_tokens // num_slots, max_len - 1))
+    stops = dict(stops_from=1 << 40, stop_ids=[0] * MAX_STOP_IDS)
+    prefills = [
+        PrefillRow(slot, [0] * length, slot, HEAVIEST, start=max_len - length, **stops)
+        for slot in range(num_slots)
+    ]
+    flags = dict(
+        kv_len=cache_len,
+        all_greedy=False,
+        use_top_k_top_p=True,
+        use_min_p=True,
+        num_logprobs=HEAVIEST.logprobs,
+        use_penalties=True,
+        use_logit_bias=True,
+        use_min_tokens=True,
+        use_draft_limits=True,
+        grammar_rows=list(range(num_slots)),
+        grammar_masks=np.full(
+            (num_slots, runner.T, -(-runner.target_cfg.vocab_size // 32)), -1, dtype=np.int32
+        ),
+    )
+    prompt_logprobs = HEAVIEST.prompt_logprobs
+    runner.execute(StepPlan(0, prefills, num_prompt_logprobs=prompt_logprobs, **flags)).result()
+    runner.execute(StepPlan(1, decode_slots=list(range(num_slots)), **flags)).result()
