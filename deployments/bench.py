@@ -208,8 +208,7 @@ def bench(
     logprobs: int | None = None,
     siblings: list[int] = (0,),
     temperature: float = 0.0,
-    kv_cache_memory_gb: float | None = None,
-    gpu_memory_utilization: float = 0.9,
+    **engine_options,  # more EngineConfig fields (KV pool sizing, prefix caching)
 ) -> list[dict]:
     from speculative.coordinator import Coordinator
     from speculative.engine import encode_prompt
@@ -247,8 +246,7 @@ def bench(
             graph_first_draft=graph_first_draft,
             prompt_lookup=prompt_lookup if mode == "eagle" else 0.0,
             draft_siblings=num_siblings,
-            kv_cache_memory_gb=kv_cache_memory_gb,
-            gpu_memory_utilization=gpu_memory_utilization,
+            **engine_options,
         )
         start = time.perf_counter()
         coordinator = Coordinator(cfg)

@@ -16,21 +16,8 @@ from deployments.cli_args import ENGINE_FLAGS, build_parser
 def _engine_config(args):
     from speculative.config import EngineConfig
 
-    return EngineConfig(
-        model=args.model,
-        drafter=args.drafter,
-        num_draft_tokens=args.num_draft_tokens,
-        max_batch_size=args.max_batch_size,
-        max_model_len=args.max_model_len,
-        device=args.device,
-        dtype=args.dtype,
-        tp=args.tp,
-        overlap=not args.no_overlap,
-        prompt_lookup=args.prompt_lookup,
-        draft_siblings=args.draft_siblings,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-    )
+    flags = {name: getattr(args, name) for name in ENGINE_FLAGS}
+    return EngineConfig(**flags, overlap=not args.no_overlap)
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -338,6 +325,7 @@ def cmd_bench(args) -> None:
             temperature=args.temperature,
             kv_cache_memory_gb=args.kv_cache_memory_gb,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=args.enable_prefix_caching,
         )
     finally:
         ray.shutdown()

@@ -18,6 +18,7 @@ ENGINE_FLAGS = (
     "draft_siblings",
     "kv_cache_memory_gb",
     "gpu_memory_utilization",
+    "enable_prefix_caching",
 )
 
 
@@ -69,6 +70,11 @@ def engine_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
         type=float,
         help="fraction of the GPU's memory the engine may use (weights, activations, CUDA graphs "
         "and the KV cache), when --kv-cache-memory-gb is not set",
+    )
+    add(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        help="reuse the KV cache blocks of earlier requests' identical prefixes",
     )
     p.add_argument(
         "--no-overlap", action="store_true", help="process each step's results before the next"
@@ -245,6 +251,12 @@ def _bench_parser(sub) -> None:
         type=float,
         default=0.9,
         help="fraction of the GPU's memory each engine may use",
+    )
+    b.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the engines reuse KV blocks of earlier requests' identical prefixes",
     )
     b.add_argument("-o", "--output", type=Path, default=Path("benchmarks/bench.json"), help="JSON")
 

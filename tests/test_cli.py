@@ -297,3 +297,21 @@ def test_serve_flags_override_the_config_file(tmp_path):
     assert (cfg.api_key, cfg.model_name, cfg.max_waiting_requests) == ("k1", "mine", 7)
     assert (cfg.port, cfg.engine.max_batch_size, cfg.engine.kv_cache_memory_gb) == (9001, 4, 0.5)
     assert cfg.tool_call_parser == "json" and cfg.chat_template is None
+
+
+def test_prefix_caching_flag_reaches_every_command(tmp_path):
+    """--no-enable-prefix-caching turns it off for generate, serve (over the file) and bench."""
+    from deployments.cli import _engine_config, _serve_config
+    from deployments.cli_args import build_parser
+
+    parse = build_parser("eagleserve").parse_args
+    generate = ["generate", "in.jsonl", "-o", "out.jsonl"]
+    assert _engine_config(parse(generate)).enable_prefix_caching
+    off = _engine_config(parse([*generate, "--no-enable-prefix-caching"]))
+    assert not off.enable_prefix_caching
+    config = tmp_path / "serve.yaml"
+    config.write_text("engine: {enable_prefix_caching: false}\n")
+    serve = ["serve", "--config", str(config)]
+    assert not _serve_config(parse(serve)).engine.enable_prefix_caching
+    assert _serve_config(parse([*serve, "--enable-prefix-caching"])).engine.enable_prefix_caching
+    assert not parse(["bench", "--no-enable-prefix-caching"]).enable_prefix_caching

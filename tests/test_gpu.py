@@ -15,6 +15,7 @@ from speculative.engine import LLMEngine, encode_prompt
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 MODEL = os.environ.get("EAGLESERVE_GPU_MODEL", "smollm2-135m")
 DRAFTER = os.environ.get("EAGLESERVE_GPU_DRAFTER", "default")
+POOL_GB = 1.0  # the checks' engines skip sizing by measurement, which one test checks
 QUESTIONS = [
     "What is 2+2?",
     "Write a haiku about the sea.",
@@ -45,6 +46,7 @@ def _run(
         max_model_len=512,
         device="cuda",
         dtype="float32",
+        kv_cache_memory_gb=POOL_GB,
         cuda_graphs=graphs,
         graph_first_draft=graph_first_draft,
         prompt_lookup=prompt_lookup,
@@ -118,6 +120,7 @@ def test_logprobs_take_the_eager_path_unchanged():
             max_model_len=512,
             device="cuda",
             dtype="float32",
+            kv_cache_memory_gb=POOL_GB,
         )
     )
     engine.executor.check_host_sync = True
@@ -167,6 +170,7 @@ def test_sampled_steps_replay_the_target_pass_graph():
                     max_model_len=512,
                     device="cuda",
                     dtype="float32",
+                    kv_cache_memory_gb=POOL_GB,
                     cuda_graphs=graphs,
                     draft_siblings=siblings,
                 )
@@ -211,7 +215,8 @@ def test_prefills_after_a_cached_prefix_replay_the_graph():
 
     def one_by_one(graphs: bool):
         cfg = EngineConfig(model=MODEL, drafter=DRAFTER, num_draft_tokens=3, max_model_len=512,
-                           device="cuda", dtype="float32", cuda_graphs=graphs)  # fmt: skip
+                           device="cuda", dtype="float32", cuda_graphs=graphs,
+                           kv_cache_memory_gb=POOL_GB)  # fmt: skip
         engine = LLMEngine(cfg)
         outputs = []
         for q in QUESTIONS:
@@ -223,6 +228,28 @@ def test_prefills_after_a_cached_prefix_replay_the_graph():
     graphed, prefill_graphs = one_by_one(graphs=True)
     assert prefill_graphs.replays == len(QUESTIONS)
     assert graphed == one_by_one(graphs=False)[0]
+
+
+def test_pool_sized_by_gpu_memory_utilization_stays_within_it():
+    """Without kv_cache_memory_gb the pool takes what gpu_memory_utilization leaves after the
+    weights, the profiled peak step and the graphs: most of it for this small model, and the GPU
+    never holds more than the budget, running steps included. The tokens are the same."""
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    total = torch.cuda.mem_get_info()[1]
+    cfg = EngineConfig(model=MODEL, drafter=DRAFTER, num_draft_tokens=3, max_model_len=2048,
+                       device="cuda", dtype="float32", gpu_memory_utilization=0.5)  # fmt: skip
+    engine = LLMEngine(cfg)
+    prompts = [encode_prompt(engine.tokenizer, q) for q in QUESTIONS]
+    params = SamplingParams(max_tokens=48)
+    outputs = [r.output_ids for r in engine.generate(prompts, params)]
+    used = total - torch.cuda.mem_get_info()[0]
+    pool = engine.executor.kv.nbytes
+    assert 0.3 * total < pool < used <= 0.5 * total, (pool, used, total)
+    del engine
+    assert outputs == _generate(DRAFTER, graphs=True)
 
 
 def test_no_host_sync_inside_steps():
