@@ -69,9 +69,9 @@ def partial_stop(r: Request, text: str) -> int:
     )
 
 
-def append_tokens(r: Request, tokens: list[int], eos_token_ids: set[int], tokenizer) -> list[int]:
-    """Append a step's emitted tokens to r's output up to where it stops; sets r.finish_reason
-    ("stop", "length") when it does. -> the tokens appended."""
+def append_tokens(r: Request, tokens: list[int], eos_token_ids: set[int], tokenizer, finish):
+    """Append a step's emitted tokens to r's output up to where it stops, which `finish(r,
+    reason)` ("stop", "length") ends. -> the tokens appended."""
     new = []
     for token in tokens:
         if len(r.output_ids) >= r.params.max_tokens:
@@ -82,14 +82,14 @@ def append_tokens(r: Request, tokens: list[int], eos_token_ids: set[int], tokeni
             # a generated token (its id, log-probability, usage) with no text, as in vLLM:
             # harnesses read the continuation's log-probabilities as all but the last token's
             r.ends_with_stop_token = True
-            r.finish_reason = "stop"
+            finish(r, "stop")
             break
         if r.params.stop and r.stops_after is None and len(r.output_ids) == r.params.min_tokens:
             r.stops_after = len(decode(tokenizer, r))
         # token by token, so the output ends where plain decoding (one token a step) ends it
         if r.params.stop and find_stop(r, decode(tokenizer, r)) is not None:
-            r.finish_reason = "stop"
+            finish(r, "stop")
             break
     if not r.is_finished and len(r.output_ids) >= r.params.max_tokens:
-        r.finish_reason = "length"
+        finish(r, "length")
     return new

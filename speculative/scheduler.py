@@ -217,13 +217,24 @@ class Scheduler:
         emitted = int(result.num_emitted[row])
         if prefill is None:
             self._count_acceptance(r, emitted)
-        logprobs = row_logprobs(
-            (result.logprobs, result.top_ids, result.top_logprobs),
-            row,
-            range(emitted),
-            r.params.logprobs,
+        logprobs = None
+        if r.params.logprobs is not None:  # no call for the many rows that want none
+            arrays = (result.logprobs, result.top_ids, result.top_logprobs)
+            logprobs = row_logprobs(arrays, row, range(emitted), r.params.logprobs)
+        tokens = result.tokens[row, :emitted].tolist()
+        new = append_tokens(r, tokens, self.eos_token_ids, self.tokenizer, self._finish)
+        # a finished request may still hold back text that could have begun a stop string
+        delta = ""
+        if self.tokenizer is not None and (new or r.is_finished):
+            delta = detokenize(self.tokenizer, r)
+        output = RequestOutput(
+            r.request_id,
+            new,
+            delta,
+            r.finish_reason,
+            r.acceptance_length,
+            logprobs[: len(new)] if logprobs is not None else None,
         )
-        output = self._append(r, result.tokens[row, :emitted].tolist(), logprobs)
         if r.grammar is not None:
             self._follow_grammar(r, output.new_token_ids, result, row)
         if prefill is not None and not prefill.num_resumed:
@@ -255,23 +266,6 @@ class Scheduler:
         self.stats.num_draft_accepted += emitted - 1
         for j in range(emitted - 1):
             self.stats.accepted_at[j] += 1
-
-    def _append(self, r: Request, tokens: list[int], logprobs: list | None = None) -> RequestOutput:
-        new = append_tokens(r, tokens, self.eos_token_ids, self.tokenizer)
-        if r.is_finished:  # by these tokens
-            self._finish(r, r.finish_reason)
-        # a finished request may still hold back text that could have begun a stop string
-        delta = ""
-        if self.tokenizer is not None and (new or r.is_finished):
-            delta = detokenize(self.tokenizer, r)
-        return RequestOutput(
-            r.request_id,
-            new,
-            delta,
-            r.finish_reason,
-            r.acceptance_length,
-            logprobs[: len(new)] if logprobs is not None else None,
-        )
 
     def _finish(self, r: Request, reason: str) -> None:
         r.finish_reason = reason
