@@ -218,11 +218,8 @@ def save_drafter(
     (path / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
 
 
-def drafter_tensors(
-    cfg: DrafterConfig, w, num_aux: int = 3, dtype: torch.dtype = torch.float32
-) -> dict[str, torch.Tensor]:
-    """The standard layout's layer, fc, norm and lm_head tensors: each weight w(*shape), in this
-    order (a seeded w gives the same tensors every time), the norms ones of `dtype`."""
+def drafter_tensors(cfg: DrafterConfig, w, num_aux: int = 3, dtype=torch.float32) -> dict:
+    """The standard layout's layer, fc, norm and lm_head tensors: weights w(*shape), in order."""
     H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     return {
@@ -251,10 +248,9 @@ def random_drafter_state(
     def w(*shape):
         return torch.randn(*shape, generator=g) * 0.02
 
-    state = drafter_tensors(cfg, w, num_aux) | {
-        "d2t": torch.zeros(cfg.draft_vocab_size, dtype=torch.long),
-        "t2d": torch.arange(cfg.vocab_size) < cfg.draft_vocab_size,
-    }
+    state = drafter_tensors(cfg, w, num_aux)
+    state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+    state["t2d"] = torch.arange(cfg.vocab_size) < cfg.draft_vocab_size
     if with_embeddings:
         state["embed_tokens.weight"] = w(cfg.vocab_size, cfg.hidden_size)
     return state
