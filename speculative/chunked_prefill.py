@@ -1,25 +1,36 @@
-"""How the scheduler fills a step's token budget (`max_num_batched_tokens`): the running
-requests' verify tokens first, then prefill chunks (a prompt longer than the budget takes
-several steps while running streams keep decoding), admission with the prefix cache's blocks,
-and, with the paged KV pool, blocks reserved per step and preemption by recompute of the newest
-request when they run out. A part of `Scheduler` (speculative/scheduler.py), kept apart so the
-state machine's core reads on its own."""
+"""How a step's token budget (`max_num_batched_tokens`) is filled: the running requests' verify
+tokens first, then prefill chunks (a prompt longer than the budget takes several steps while
+running streams keep decoding), and admission of a waiting request with the prefix cache's blocks
+and blocks for its first chunk. The scheduler (speculative/scheduler.py) owns one planner and keeps
+the queues; the planner reads its running requests and changes only the requests it plans."""
 
 from speculative.config import SamplingParams
 from speculative.plan import PrefillRow
 from speculative.request import Request, RequestError
+from speculative.request_blocks import RequestBlocks
 
 
-class PrefillPlanning:
-    """Methods of Scheduler over its state: running, waiting, free_slots, kv (the block
-    bookkeeping, None without a paged pool), k, tree_rows, max_num_batched_tokens."""
+class PrefillPlanner:
+    def __init__(
+        self,
+        running: dict[str, Request],
+        kv: RequestBlocks | None,
+        k: int,
+        tree_rows: int,
+        max_num_batched_tokens: int,
+        eos_token_ids: set[int],
+    ):
+        self.running = running  # the scheduler's, in admission order (read here, never changed)
+        self.kv = kv  # the paged pool's blocks; None: the workers' contiguous per-slot caches
+        self.k, self.tree_rows = k, tree_rows
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = eos_token_ids
 
-    def _check_budget(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def check_budget(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """A prefill that cannot run in chunks must fit one step: with a paged pool, also when
         it is recomputed after preemption (prompt and output)."""
-        probe = Request("", prompt_ids, params, 0)
         num_tokens = len(prompt_ids)
-        if self._may_split(probe):
+        if self.may_split(params):
             return
         if self.kv is not None:
             num_tokens += params.max_tokens - 1
@@ -30,11 +41,10 @@ class PrefillPlanning:
                 + (" with max_tokens, for penalties or prompt_logprobs" if self.kv else "")
             )
 
-    def _continue_running(self) -> tuple:
+    def continue_running(self) -> tuple[list[Request], dict[str, int], int]:
         """The running requests' rows of the next step: decodes, and the chunks of prefills under
-        way ({request id: chunk end}), within the step's token budget (verify tokens first),
-        with blocks reserved for them (preempting where the pool runs out). -> (decodes, chunks,
-        the budget left for prefills, block-table updates or None)."""
+        way ({request id: chunk end}), within the step's token budget (verify tokens first).
+        -> (decodes, chunks, the budget left for prefills)."""
         active = [
             r
             for r in self.running.values()
@@ -44,7 +54,7 @@ class PrefillPlanning:
             r
             for r in active
             if r.num_prefilled == len(r.prefill_ids)
-            and not self._will_surely_finish(r)
+            and not will_surely_finish(r)
             # a constrained request's masks follow its last step's tokens and drafts
             and not (r.grammar is not None and r.in_flight)
         ]
@@ -54,19 +64,32 @@ class PrefillPlanning:
         chunks: dict[str, int] = {}
         for r in active:  # prefills under way, oldest first
             if r.num_prefilled < len(r.prefill_ids):
-                end = self._chunk_end(r, r.num_prefilled, len(chunks), chunks, budget)
+                end = self._chunk_end(r, chunks, budget)
                 if end is None:
                     break
                 chunks[r.request_id] = end
-        if self.kv is None:
-            return decodes, chunks, budget, None
-        updates = []
-        self._reserve_blocks(decodes, chunks, updates)
-        decodes = [r for r in decodes if not r.is_preempted]
-        chunks = {i: end for i, end in chunks.items() if not self.running[i].is_preempted}
-        return decodes, chunks, budget, updates
+        return decodes, chunks, budget
 
-    def _prefill_row(self, r: Request, end: int, is_continued: bool) -> PrefillRow:
+    def admit(self, r: Request, slot: int, chunks: dict, budget: int, updates) -> int | None:
+        """The waiting request r in `slot`, with the prefix cache's blocks and blocks for its first
+        chunk (updates: the step's block-table updates, None without a paged pool). -> the end of
+        that chunk, or None (nothing taken)."""
+        r.slot, r.prefill_ids = slot, r.prompt_ids + r.output_ids
+        r.num_prefilled = r.num_confirmed = 0
+        may_split = self.may_split(r.params)
+        if may_split:
+            r.num_prefilled = r.num_confirmed = self.kv.match(r, r.prefill_ids, True)
+        end = self._chunk_end(r, chunks, budget)
+        queried = len(r.prefill_ids) if may_split else 0
+        if end is None or (updates is not None and not self.kv.admit(r, end, queried, updates)):
+            if end is None and self.kv is not None:
+                self.kv.manager.release(r.blocks)
+                r.blocks, r.block_hashes = [], []
+            r.slot = None
+            return None
+        return end
+
+    def prefill_row(self, r: Request, end: int, is_continued: bool) -> PrefillRow:
         """The chunk [r.num_prefilled, end) of r's prefill, which a resumed (preempted) request's
         output so far ends; a chunk short of the end emits nothing and continues with the next
         prefill token."""
@@ -79,74 +102,39 @@ class PrefillPlanning:
         r.num_prefilled = end
         return row
 
-    def _may_split(self, r: Request) -> bool:
-        """Whether r's prefill may start past a cached prefix or run in chunks: penalties count,
+    def may_split(self, params: SamplingParams) -> bool:
+        """Whether a prefill may start past a cached prefix or run in chunks: penalties count,
         and prompt_logprobs score, the whole prompt at once on the workers."""
-        p = r.params
+        p = params
         penalties = p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1
         return self.kv is not None and not penalties and p.prompt_logprobs is None
 
-    def _chunk_end(self, r: Request, start: int, num_rows: int, chunks, budget: int) -> int | None:
-        """The end of r's next prefill chunk from `start`, as prefill row num_rows + 1 of a step
-        whose prefill rows (padded to the longest) hold `budget` tokens; None: none fits."""
+    def _chunk_end(self, r: Request, chunks: dict, budget: int) -> int | None:
+        """The end of r's next prefill chunk from r.num_prefilled, as the next prefill row of a
+        step whose prefill rows so far (`chunks`, padded to the longest) and it hold `budget`
+        tokens; None: none fits."""
+        start, num_rows = r.num_prefilled, len(chunks)
         longest = max((end - self.running[i].num_prefilled for i, end in chunks.items()), default=0)
         take = len(r.prefill_ids) - start
-        if self._may_split(r):
+        if self.may_split(r.params):
             take = min(take, budget // (num_rows + 1))
         if take < 1 or (num_rows + 1) * max(longest, take) > budget:
             return None
         return start + take
 
-    def _admit(self, r: Request, chunks: dict, budget: int, updates: list | None) -> int | None:
-        """A slot, the prefix cache's blocks and blocks for its first chunk for the next waiting
-        request. -> the end of that chunk, or None (nothing taken)."""
-        r.slot, r.prefill_ids = self.free_slots[0], r.prompt_ids + r.output_ids
-        r.num_prefilled = r.num_confirmed = 0
-        may_split = self._may_split(r)
-        if may_split:
-            r.num_prefilled = r.num_confirmed = self.kv.match(r, r.prefill_ids, True)
-        end = self._chunk_end(r, r.num_prefilled, len(chunks), chunks, budget)
-        queried = len(r.prefill_ids) if may_split else 0
-        if end is None or (updates is not None and not self.kv.admit(r, end, queried, updates)):
-            if end is None and self.kv is not None:
-                self.kv.manager.release(r.blocks)
-                r.blocks, r.block_hashes = [], []
-            r.slot = None
-            return None
-        self.free_slots.pop(0)
-        return end
+    def _min_tokens_stops(self, r: Request) -> tuple[int, list[int]]:
+        """(the first position at which EOS and stop tokens may be emitted, those tokens) for
+        min_tokens, which counts the tokens this request generates, as max_tokens does (a resumed
+        one's are left)."""
+        if not r.params.min_tokens:
+            return 0, []
+        # EOS too with ignore_eos, as vLLM's
+        return len(r.prompt_ids) + r.params.min_tokens, sorted(
+            self.eos_token_ids | set(r.params.stop_token_ids)
+        )
 
-    def _reserve_blocks(self, decodes: list[Request], chunks: dict, updates: list) -> None:
-        """Blocks for the rows the next step writes, oldest request first; where the pool runs
-        out, the most recently admitted running request gives its blocks back (preempted:
-        recomputed from its tokens later)."""
-        decode_ids = {r.request_id for r in decodes}
-        for r in list(self.running.values()):
-            if r.is_preempted:
-                continue
-            if r.request_id in decode_ids:
-                missing = self.kv.missing(r, r.in_flight + 1)
-            elif r.request_id in chunks:
-                missing = max(0, self.kv.needed(chunks[r.request_id], 1) - len(r.blocks))
-            else:
-                continue
-            while missing > self.kv.manager.num_free and not r.is_preempted:
-                self._preempt(
-                    next(
-                        v for v in reversed(self.running.values()) if v.blocks and not v.is_finished
-                    )
-                )
-            if not r.is_preempted:
-                self.kv.grow(r, missing, updates)
 
-    def _preempt(self, r: Request) -> None:
-        r.is_preempted = True
-        self.kv.free(r)
-        self.stats.num_preemptions += 1
-        if r.in_flight == 0:
-            self._requeue(r)
-
-    def _requeue(self, r: Request) -> None:
-        self._release(r)
-        r.is_preempted = False
-        self.waiting.appendleft(r)
+def will_surely_finish(r: Request) -> bool:
+    """Each in-flight step emits at least one token: if that already reaches the limit, the
+    request is done and must not be scheduled again."""
+    return len(r.output_ids) + r.in_flight >= r.params.max_tokens

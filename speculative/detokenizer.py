@@ -1,6 +1,7 @@
-"""A request's text: incremental detokenizing and stop strings (vLLM's rules: a stop string
-ends the text before it, a stream never sends the start of one, and with min_tokens it counts
-only where it ends past the first min_tokens tokens' text)."""
+"""A request's output as a step's tokens arrive: where it stops (max_tokens, EOS and stop tokens,
+stop strings) and its text, detokenized incrementally (vLLM's rules: a stop string ends the text
+before it, a stream never sends the start of one, and with min_tokens it counts only where it ends
+past the first min_tokens tokens' text)."""
 
 from speculative.request import Request
 
@@ -66,3 +67,29 @@ def partial_stop(r: Request, text: str) -> int:
         (k for stop in r.params.stop for k in range(1, len(stop)) if text.endswith(stop[:k])),
         default=0,
     )
+
+
+def append_tokens(r: Request, tokens: list[int], eos_token_ids: set[int], tokenizer, finish):
+    """Append a step's emitted tokens to r's output up to where it stops, which `finish(r,
+    reason)` ("stop", "length") ends. -> the tokens appended."""
+    new = []
+    for token in tokens:
+        if len(r.output_ids) >= r.params.max_tokens:
+            break
+        r.output_ids.append(token)
+        new.append(token)
+        if token in eos_token_ids and not r.params.ignore_eos or token in r.params.stop_token_ids:
+            # a generated token (its id, log-probability, usage) with no text, as in vLLM:
+            # harnesses read the continuation's log-probabilities as all but the last token's
+            r.ends_with_stop_token = True
+            finish(r, "stop")
+            break
+        if r.params.stop and r.stops_after is None and len(r.output_ids) == r.params.min_tokens:
+            r.stops_after = len(decode(tokenizer, r))
+        # token by token, so the output ends where plain decoding (one token a step) ends it
+        if r.params.stop and find_stop(r, decode(tokenizer, r)) is not None:
+            finish(r, "stop")
+            break
+    if not r.is_finished and len(r.output_ids) >= r.params.max_tokens:
+        finish(r, "length")
+    return new

@@ -218,18 +218,11 @@ def save_drafter(
     (path / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
 
 
-def random_drafter_state(
-    cfg: DrafterConfig, num_aux: int = 3, seed: int = 0, with_embeddings: bool = False
-) -> dict[str, torch.Tensor]:
-    """Random weights in the standard layout, an identity d2t (draft vocab = first ids)."""
-    g = torch.Generator().manual_seed(seed)
+def drafter_tensors(cfg: DrafterConfig, w, num_aux: int = 3, dtype=torch.float32) -> dict:
+    """The standard layout's layer, fc, norm and lm_head tensors: weights w(*shape), in order."""
     H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-
-    def w(*shape):
-        return torch.randn(*shape, generator=g) * 0.02
-
-    state = {
+    return {
         "midlayer.self_attn.q_proj.weight": w(heads * D, 2 * H),
         "midlayer.self_attn.k_proj.weight": w(kv * D, 2 * H),
         "midlayer.self_attn.v_proj.weight": w(kv * D, 2 * H),
@@ -237,17 +230,29 @@ def random_drafter_state(
         "midlayer.mlp.gate_proj.weight": w(I, H),
         "midlayer.mlp.up_proj.weight": w(I, H),
         "midlayer.mlp.down_proj.weight": w(H, I),
-        "midlayer.input_layernorm.weight": torch.ones(H),
-        "midlayer.hidden_norm.weight": torch.ones(H),
-        "midlayer.post_attention_layernorm.weight": torch.ones(H),
+        "midlayer.input_layernorm.weight": torch.ones(H, dtype=dtype),
+        "midlayer.hidden_norm.weight": torch.ones(H, dtype=dtype),
+        "midlayer.post_attention_layernorm.weight": torch.ones(H, dtype=dtype),
         "fc.weight": w(H, num_aux * cfg.target_hidden_size),
-        "norm.weight": torch.ones(H),
+        "norm.weight": torch.ones(H, dtype=dtype),
         "lm_head.weight": w(cfg.draft_vocab_size, H),
-        "d2t": torch.zeros(cfg.draft_vocab_size, dtype=torch.long),
-        "t2d": torch.arange(cfg.vocab_size) < cfg.draft_vocab_size,
     }
+
+
+def random_drafter_state(
+    cfg: DrafterConfig, num_aux: int = 3, seed: int = 0, with_embeddings: bool = False
+) -> dict[str, torch.Tensor]:
+    """Random weights in the standard layout, an identity d2t (draft vocab = first ids)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.02
+
+    state = drafter_tensors(cfg, w, num_aux)
+    state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+    state["t2d"] = torch.arange(cfg.vocab_size) < cfg.draft_vocab_size
     if with_embeddings:
-        state["embed_tokens.weight"] = w(cfg.vocab_size, H)
+        state["embed_tokens.weight"] = w(cfg.vocab_size, cfg.hidden_size)
     return state
 
 

@@ -76,6 +76,26 @@ class StepPlan:
         return [p.slot for p in self.prefills] + self.decode_slots
 
 
+def step_flags(rows: list, prefills: list, k: int) -> dict:
+    """What a step's rows (Requests) need beyond greedy decoding (StepPlan's flags): steps without
+    a feature do not pay for it, and greedy steps stay graphable."""
+    params = [r.params for r in rows]
+    prompt_logprobs = [r.params.prompt_logprobs for r in prefills]
+    return dict(
+        all_greedy=all(p.is_greedy for p in params),
+        use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+        use_min_p=any(p.min_p > 0 for p in params),
+        num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
+        use_penalties=any(
+            p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1 for p in params
+        ),
+        use_logit_bias=any(p.logit_bias for p in params),
+        use_min_tokens=any(r.params.min_tokens > len(r.output_ids) for r in rows),
+        use_draft_limits=any(r.num_draft_tokens < k for r in rows),
+        num_prompt_logprobs=max((n for n in prompt_logprobs if n is not None), default=None),
+    )
+
+
 @dataclass
 class StepResult:
     step_id: int

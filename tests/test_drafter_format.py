@@ -15,6 +15,7 @@ from speculative.drafter import DrafterConfig
 from speculative.drafter_format import (
     drafter_config_for,
     drafter_state_dict,
+    drafter_tensors,
     load_drafter,
     quantize_int8,
     random_drafter_state,
@@ -134,7 +135,6 @@ def write_authors_checkpoint(path, target_cfg: ModelConfig, draft_vocab_size: in
     fc, norm, lm_head, d2t, t2d; no embed_tokens (shared with the target)."""
     H, I, V = target_cfg.hidden_size, target_cfg.intermediate_size, target_cfg.vocab_size
     heads, kv = target_cfg.num_attention_heads, target_cfg.num_key_value_heads
-    D = H // heads
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "bos_token_id": 0,
@@ -164,20 +164,8 @@ def write_authors_checkpoint(path, target_cfg: ModelConfig, draft_vocab_size: in
 
     # the draft vocabulary: a sorted subset of target ids; d2t[i] = target id - i, t2d marks members
     vocab = torch.randperm(V, generator=g)[:draft_vocab_size].sort().values
-    tensors = {
-        "midlayer.self_attn.q_proj.weight": w(heads * D, 2 * H),
-        "midlayer.self_attn.k_proj.weight": w(kv * D, 2 * H),
-        "midlayer.self_attn.v_proj.weight": w(kv * D, 2 * H),
-        "midlayer.self_attn.o_proj.weight": w(H, heads * D),
-        "midlayer.mlp.gate_proj.weight": w(I, H),
-        "midlayer.mlp.up_proj.weight": w(I, H),
-        "midlayer.mlp.down_proj.weight": w(H, I),
-        "midlayer.input_layernorm.weight": torch.ones(H).half(),
-        "midlayer.hidden_norm.weight": torch.ones(H).half(),
-        "midlayer.post_attention_layernorm.weight": torch.ones(H).half(),
-        "fc.weight": w(H, 3 * H),
-        "norm.weight": torch.ones(H).half(),
-        "lm_head.weight": w(draft_vocab_size, H),
+    cfg = drafter_config_for(target_cfg, draft_vocab_size)
+    tensors = drafter_tensors(cfg, w, dtype=torch.float16) | {
         "d2t": vocab - torch.arange(draft_vocab_size),
         "t2d": torch.zeros(V, dtype=torch.bool).index_fill(0, vocab, True),
     }

@@ -272,6 +272,25 @@ def penalised_greedy(model_dir, prompt: list[int], params: SamplingParams) -> li
     return out
 
 
+def assert_resumed_outputs(engine, prompts, params, refs, t: int) -> None:
+    """Every request resumed after its first t output tokens, as the server resubmits it (prompt +
+    those tokens, what is left of max_tokens and min_tokens), goes on with the rest of its
+    reference; one that ended by then is not resumed."""
+    live = [i for i, ref in enumerate(refs) if len(ref) > t]
+    resumed = [
+        params[i].model_copy(
+            update={
+                "max_tokens": params[i].max_tokens - t,
+                "min_tokens": max(0, params[i].min_tokens - t),
+                "prior_output_tokens": t,
+            }
+        )
+        for i in live
+    ]
+    got = run_to_completion(engine, [prompts[i] + refs[i][:t] for i in live], resumed)
+    assert [r.output_ids for r in got] == [refs[i][t:] for i in live], t
+
+
 def test_penalties_and_logit_bias_greedy_equal_the_reference(tiny_dir, tiny_drafter_dir, prompts):
     """Frequency, presence and repetition penalties and logit_bias change greedy output as OpenAI
     (vLLM, for repetition) defines them, and speculative decoding keeps it exact: the verify pass
@@ -308,11 +327,7 @@ def test_penalties_and_logit_bias_greedy_equal_the_reference(tiny_dir, tiny_draf
     engine = tiny_engine(tiny_dir, max_batch_size=4)
     assert [r.output_ids for r in run_to_completion(engine, prompts, params, JOINS)] == refs
     for t in range(1, 24):
-        resumed = [
-            p.model_copy(update={"max_tokens": 24 - t, "prior_output_tokens": t}) for p in params
-        ]
-        got = run_to_completion(engine, [p + ref[:t] for p, ref in zip(prompts, refs)], resumed)
-        assert [r.output_ids for r in got] == [ref[t:] for ref in refs], t
+        assert_resumed_outputs(engine, prompts, params, refs, t)
     # with a draft tree, a sibling's logits follow the drafts on its own path
     for siblings in (0, 2):
         engine = tiny_engine(
@@ -373,21 +388,7 @@ def test_min_tokens_holds_back_stop_tokens(tiny_dir, tiny_drafter_dir, prompts, 
     assert [r.output_ids for r in run_to_completion(engine, prompts, params, JOINS)] == refs
     # resumed after t tokens (as the server resubmits): what is left of min_tokens
     for t in (1, 3, 9):
-        resumed = [
-            p.model_copy(
-                update={
-                    "max_tokens": p.max_tokens - t,
-                    "min_tokens": max(0, p.min_tokens - t),
-                    "prior_output_tokens": t,
-                }
-            )
-            for p in params
-        ]
-        live = [i for i, ref in enumerate(refs) if len(ref) > t]  # an ended one is not resumed
-        got = run_to_completion(
-            engine, [prompts[i] + refs[i][:t] for i in live], [resumed[i] for i in live]
-        )
-        assert [r.output_ids for r in got] == [refs[i][t:] for i in live], t
+        assert_resumed_outputs(engine, prompts, params, refs, t)
     for siblings in (0, 1):
         engine = tiny_engine(
             tiny_dir,

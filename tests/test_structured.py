@@ -91,9 +91,9 @@ def test_bad_constraints_name_the_problem_and_compiles_are_cached(smollm2_engine
             scheduler.validate("x", [1, 2], SamplingParams(structured=spec))
     good = StructuredSpec(kind="json", spec=json.dumps(PERSON))
     scheduler.validate("x", [1, 2], SamplingParams(structured=good))
-    assert scheduler.grammars.compile(good) is scheduler.grammars.compile(good)
+    assert scheduler.intake.grammars.compile(good) is scheduler.intake.grammars.compile(good)
     with pytest.raises(GrammarError):
-        scheduler.grammars.compile(next(iter(bad)))
+        scheduler.intake.grammars.compile(next(iter(bad)))
 
 
 def test_tool_call_schema_forces_valid_calls():
@@ -124,7 +124,7 @@ def test_greedy_tiny_constrained_with_drafter_equals_without(tiny_dir, tiny_draf
     outputs = []
     for drafter, overlap in [("none", False), (tiny_drafter_dir, True), (tiny_drafter_dir, False)]:
         engine = tiny_engine(tiny_dir, drafter, k=3, overlap=overlap)
-        engine.scheduler.grammars = raw_grammars(64, stop=63)
+        engine.scheduler.intake.grammars = raw_grammars(64, stop=63)
         requests = run_to_completion(engine, prompts, params, [0, 0, 2])
         outputs.append([r.output_ids for r in requests])
     assert outputs[0] == outputs[1] == outputs[2]
@@ -176,7 +176,7 @@ def test_greedy_smollm2_constrained_with_drafter_equals_without(smollm2_engine, 
 
 def test_constrained_request_never_in_flight_twice_while_others_overlap(tiny_dir, tiny_drafter_dir):
     engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, overlap=True)
-    engine.scheduler.grammars = raw_grammars(64, stop=63)
+    engine.scheduler.intake.grammars = raw_grammars(64, stop=63)
     spec = StructuredSpec(kind="regex", spec="[a-z]{40}")
     plans, execute = [], engine.executor.execute
     engine.executor.execute = lambda plan: plans.append(plan) or execute(plan)
@@ -234,7 +234,7 @@ def sample_constrained(v16_dirs, drafts: str, k: int, siblings: int):
     grammars = raw_grammars(V16, stop=15)
     joint, conditionals = masked_joint(v16_dirs[0], grammars, TREE)
     engine = _engine(v16_dirs, drafts != "none", k, siblings=siblings)
-    engine.scheduler.grammars = grammars
+    engine.scheduler.intake.grammars = grammars
     oracle = (lambda _: set_oracle_drafts(engine, conditionals)) if drafts == "oracle" else None
     counts = sample_first_three(engine, SAMPLED, after_step=oracle)
     return chi2_pvalue(counts, joint), engine.scheduler.stats
@@ -283,7 +283,7 @@ def test_constrained_steps_make_no_host_sync(tiny_dir, tiny_drafter_dir):
     spec = StructuredSpec(kind="regex", spec="[a-p]{5}[q-z]+")
     for siblings in (0, 2):
         engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, draft_siblings=siblings)
-        engine.scheduler.grammars = raw_grammars(64, stop=63)
+        engine.scheduler.intake.grammars = raw_grammars(64, stop=63)
         engine.executor.check_host_sync = True
         params = [
             SamplingParams(max_tokens=12, structured=spec, temperature=t, stop_token_ids=[63])
