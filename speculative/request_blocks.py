@@ -75,28 +75,34 @@ class RequestBlocks:
         self.manager.release(r.blocks)
         r.blocks, r.block_hashes = [], []
 
-    def reserve(self, running: dict, decodes: list, chunks: dict, preempt) -> tuple:
+    def reserve(self, running: dict, decodes: list, chunks: dict) -> tuple:
         """Blocks for the rows the next step writes (decodes, and prefill chunks {request id:
-        chunk end}), oldest request first; where the pool runs out, `preempt` takes the most
-        recently admitted running request that holds blocks (it is recomputed from its tokens
-        later). -> (the decodes and chunks not preempted, the block-table updates)."""
-        updates = []
+        chunk end}), oldest request first; where the pool runs out, the most recently admitted
+        running request that holds blocks gives them all back (it is recomputed from its tokens
+        later). The preempted stay in `running` here: the scheduler requeues them. -> (the
+        decodes and chunks not preempted, the block-table updates, the preempted, newest first)."""
+        updates, preempted = [], []
         decode_ids = {r.request_id for r in decodes}
-        for r in list(running.values()):
+        rows = [r for r in running.values() if r.request_id in decode_ids or r.request_id in chunks]
+        for r in rows:  # a row preempted by an older row's reservation stays preempted
             if r.is_preempted:
                 continue
             if r.request_id in decode_ids:
                 missing = self.missing(r, r.in_flight + 1)
-            elif r.request_id in chunks:
-                missing = max(0, self.needed(chunks[r.request_id], 1) - len(r.blocks))
             else:
-                continue
+                missing = max(0, self.needed(chunks[r.request_id], 1) - len(r.blocks))
             while missing > self.manager.num_free and not r.is_preempted:
-                preempt(
-                    next(v for v in reversed(running.values()) if v.blocks and not v.is_finished)
-                )
+                preempted.append(self._preempt_newest(running))
             if not r.is_preempted:
                 self.grow(r, missing, updates)
         decodes = [r for r in decodes if not r.is_preempted]
         chunks = {i: end for i, end in chunks.items() if not running[i].is_preempted}
-        return decodes, chunks, updates
+        return decodes, chunks, updates, preempted
+
+    def _preempt_newest(self, running: dict):
+        """The most recently admitted request that holds blocks and goes on (a finished one's
+        come back once its last step is processed) gives them back. -> that request."""
+        r = next(v for v in reversed(running.values()) if v.blocks and not v.is_finished)
+        self.free(r)
+        r.is_preempted = True
+        return r

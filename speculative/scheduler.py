@@ -122,7 +122,8 @@ class Scheduler:
         decodes, chunks, budget = self.prefill.continue_running()
         updates = None
         if self.kv is not None:  # blocks for those rows, preempting where the pool runs out
-            decodes, chunks, updates = self.kv.reserve(self.running, decodes, chunks, self._preempt)
+            decodes, chunks, updates, preempted = self.kv.reserve(self.running, decodes, chunks)
+            self._preempt(preempted)
         prefills = [self.running[i] for i in chunks]
         num_continued = len(prefills)
         while self.waiting and self.free_slots and len(prefills) + len(decodes) < self.num_slots:
@@ -201,12 +202,11 @@ class Scheduler:
                 r.num_confirmed = prefill.start + len(prefill.token_ids)
             else:
                 outputs.append(self._emit(r, row, prefill, result))
-            # _finish may have released it
-            if r.is_finished and r.in_flight == 0 and r.slot is not None:
-                self._release(r)
-            elif r.is_preempted and r.in_flight == 0:
-                self._requeue(r)
-            elif self.kv is not None and not r.is_finished:
+            if r.is_finished or r.is_preempted:
+                # once no step holds it; finished (even if preempted) it leaves, never requeued
+                if r.in_flight == 0 and r.slot is not None:  # _finish may have released it
+                    (self._release if r.is_finished else self._requeue)(r)
+            elif self.kv is not None:
                 self.kv.confirm(r)
         return outputs
 
@@ -280,13 +280,14 @@ class Scheduler:
         r.slot = None
         self.running.pop(r.request_id, None)
 
-    def _preempt(self, r: Request) -> None:
-        """r gives its blocks back; it is prefilled again once no step in flight holds it."""
-        r.is_preempted = True
-        self.kv.free(r)
-        self.stats.num_preemptions += 1
-        if r.in_flight == 0:
-            self._requeue(r)
+    def _preempt(self, preempted: list[Request]) -> None:
+        """Requests that gave their blocks back (newest first) queue again, oldest in front, to be
+        prefilled from their prompt and output once no step in flight holds them: the tokens such
+        a step emits are streamed and kept, as without preemption."""
+        self.stats.num_preemptions += len(preempted)
+        for r in preempted:
+            if r.in_flight == 0:
+                self._requeue(r)
 
     def _requeue(self, r: Request) -> None:
         self._release(r)
