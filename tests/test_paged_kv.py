@@ -60,6 +60,53 @@ def test_tiny_pool_preempts_and_stays_exact(
     assert_pool_whole(engine)
 
 
+def streaming(engine) -> dict:
+    """Record every output the engine streams, per request id."""
+    streamed, step = {}, engine.step
+
+    def step_and_record():
+        outputs = step()
+        for out in outputs:
+            streamed.setdefault(out.request_id, []).append(out)
+        return outputs
+
+    engine.step = step_and_record
+    return streamed
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("drafter", ["none", "drafter"])
+def test_preemption_with_chunks_is_exact_with_overlap_on_and_off(
+    tiny_dir, tiny_drafter_dir, prompts, plain_ref, overlap, drafter
+):
+    """Requests of different lengths join mid-flight on a 12-block pool under a 32-token step
+    budget: prompts prefill in chunks, the newest requests give their blocks back (between
+    chunks, or with a step in flight that ends them) and are recomputed. Each streams plain
+    decoding's tokens once, and the pool and the slots come back whole."""
+    engine = tiny_engine(
+        tiny_dir, tiny_drafter_dir if drafter == "drafter" else "none", k=3, max_batch_size=4,
+        max_num_batched_tokens=32, kv_cache_memory_gb=pool_gb(12), overlap=overlap,
+    )  # fmt: skip
+    plans, execute = [], engine.executor.execute
+    engine.executor.execute = lambda plan: plans.append(plan) or execute(plan)
+    streamed = streaming(engine)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 17, 33, 9, 40, 26, 5)]
+    requests = run_to_completion(engine, prompts, params, JOINS)
+    expected = [ref[: p.max_tokens] for ref, p in zip(plain_ref, params)]
+    assert [r.output_ids for r in requests] == expected
+    for r in requests:
+        outputs = streamed[r.request_id]
+        assert [t for out in outputs for t in out.new_token_ids] == r.output_ids
+        assert [out.finish_reason for out in outputs] == [None] * (len(outputs) - 1) + ["length"]
+    assert all(None not in p.slots and len(set(p.slots)) == len(p.slots) for p in plans)
+    assert any(row.next_token >= 0 for p in plans for row in p.prefills)  # chunked
+    scheduler = engine.scheduler
+    assert scheduler.stats.num_preemptions > 0
+    assert not scheduler.waiting and not scheduler.running
+    assert sorted(scheduler.free_slots) == list(range(4))
+    assert_pool_whole(engine)
+
+
 def test_preemption_keeps_seeded_sampling(tiny_dir, tiny_drafter_dir, prompts):
     """A sampled token depends on its request's seed and position only, so a recomputed request
     draws what it would have drawn."""
