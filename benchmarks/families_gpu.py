@@ -36,7 +36,8 @@ def engine_config(args, family: str, dtype: str, drafter: str) -> EngineConfig:
     """Prefix caching off: the graphed run recomputes the prompts the eager run computed."""
     max_len = args.context + 64 if dtype == args.dtypes[0] else 128  # 128: the checks alone
     max_batch = max(args.batch + [args.num_prompts])
-    per_token = rb.kv_bytes_per_token(rb.SHAPES[family], getattr(torch, dtype), True)
+    model_cfg = rb.model_config(f"random:{family}")
+    per_token = rb.kv_bytes_per_token(model_cfg, getattr(torch, dtype), True)
     kv_gib = per_token * max_batch * (max_len + 64) / 2**30
     return EngineConfig(
         model=f"random:{family}", drafter=drafter, num_draft_tokens=args.k,
@@ -153,13 +154,14 @@ def main() -> None:
     device = pick_device(args.device)
     out = {"device": rb.device_name(device), "k": args.k, "batch": args.batch,
            "context": args.context, "max_tokens": args.max_tokens, "families": {}}  # fmt: skip
-    for family in rb.progress(args.families, "families"):
+    for family in rb.progress(args.families, "families", "family"):
         out["families"][family] = run_family(args, family)
-    out["peak_memory_gib"] = rb.peak_memory_gib(device)
+        out["peak_memory_gib"] = rb.peak_memory_gib(device)
+        # after each family: a timeout keeps what ran
+        args.output.write_text(json.dumps(out, indent=1) + "\n")
     print_table(out)
     if device.type != "cuda":
         print("(no GPU: no graphs were captured, both columns ran the eager path)")
-    args.output.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.output}")
 
 

@@ -16,8 +16,9 @@ from speculative.config import EngineConfig, SamplingParams
 from speculative.plan import PrefillRow, StepPlan
 from workers.cuda_graphs import capture_step_graphs
 from workers.device import pick_device, pick_dtype
-from workers.loader import RANDOM_SHAPES
+from workers.loader import RANDOM_SHAPES, resolve_model
 from workers.model_runner import ModelRunner
+from workers.models import ModelConfig
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
@@ -64,11 +65,15 @@ def register_shapes() -> None:
         RANDOM_SHAPES.setdefault(name, shape)
 
 
-def kv_bytes_per_token(shape: dict, dtype: torch.dtype, drafter: bool) -> int:
+def model_config(model: str) -> ModelConfig:
+    """A model's checked config (a random shape, a directory or a GGUF file)."""
+    return ModelConfig.from_dir(resolve_model(model))
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, drafter: bool) -> int:
     """The target's K and V of one token, plus one drafter layer's (a head shaped like a layer)."""
-    head_dim = shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
-    layers = shape["num_hidden_layers"] + int(drafter)
-    return 2 * layers * shape["num_key_value_heads"] * head_dim * dtype.itemsize
+    layers = cfg.num_hidden_layers + int(drafter)
+    return 2 * layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
 
 
 @contextlib.contextmanager
@@ -201,10 +206,10 @@ def time_decode(runner: ModelRunner, batch: int, context: int, repeats: int) -> 
     return {"step_ms": step_ms, "host_ms": 1000 * sum(host_s[-repeats:]) / repeats}
 
 
-def progress(items: list, what: str):
+def progress(items: list, what: str, unit: str):
     from tqdm import tqdm
 
-    return tqdm(items, desc=what, unit=what.rstrip("s"))
+    return tqdm(items, desc=what, unit=unit)
 
 
 def device_name(device: torch.device) -> str:

@@ -38,9 +38,14 @@ def bandwidth_bytes_per_s(device: torch.device) -> float:
     return 2 * x.numel() / (ms / 1000)
 
 
-def read_bytes(model: torch.nn.Module, skip: str = "embed_tokens") -> int:
-    """Bytes of the weights a forward reads: all but the embedding table (a few rows of it)."""
-    tensors = {p.data_ptr(): p.nbytes for n, p in model.named_parameters() if skip not in n}
+def read_bytes(model: torch.nn.Module, embedding_read: bool = False) -> int:
+    """Bytes of the weights a forward reads: all but the embedding table (a few rows of it),
+    unless it is the LM head too (tied)."""
+    tensors = {
+        p.data_ptr(): p.nbytes
+        for n, p in model.named_parameters()
+        if embedding_read or not n.startswith("embed_tokens.")
+    }
     return sum(tensors.values())
 
 
@@ -91,13 +96,15 @@ def measure_point(runner, batch: int, context: int, repeats: int) -> dict:
     return row
 
 
-def grid(args, per_token: int) -> tuple[list, list]:
-    """(batch, context) points whose KV (with the timing margin) fits in --kv-gib; the others."""
+def grid(args, per_token: int, max_positions: int) -> tuple[list, list]:
+    """(batch, context) points whose KV (with the timing margin) fits in --kv-gib and whose
+    context the model's positions hold; the others."""
     fits, skipped = [], []
     for context in args.context:
         for batch in args.batch:
             gib = batch * (context + 16) * per_token / 2**30
-            (fits if gib <= args.kv_gib else skipped).append((batch, context, round(gib, 1)))
+            ok = gib <= args.kv_gib and context + 64 <= max_positions
+            (fits if ok else skipped).append((batch, context, round(gib, 1)))
     if not fits:
         raise SystemExit(f"no point fits in --kv-gib {args.kv_gib}")
     return fits, skipped
@@ -114,14 +121,18 @@ def make_runner(args, fits: list, per_token: int):
 
 
 def floors(runner, bandwidth: float) -> dict:
-    target = read_bytes(runner.target)
-    drafter = read_bytes(runner.drafter) if runner.drafter is not None else 0
+    """The step reads the target once, the drafter K times, its `fc` once (the first draft's)."""
+    target = read_bytes(runner.target, runner.target_cfg.tie_word_embeddings)
+    drafter = fc = 0
+    if runner.drafter is not None:
+        drafter, fc = read_bytes(runner.drafter), runner.drafter.fc.weight.nbytes
+    step = target + fc + runner.K * (drafter - fc)
     everything = sum(p.nbytes for p in runner.target.parameters())
     return {
         "target_read_gib": target / 2**30,
         "drafter_read_gib": drafter / 2**30,
         "verify_floor_ms": target / bandwidth * 1000,
-        "step_floor_ms": (target + runner.K * drafter) / bandwidth * 1000,
+        "step_floor_ms": step / bandwidth * 1000,
         # the earlier figure's floor (DESIGN.md: 3.76 ms on the H200) counted every weight
         "all_target_weights_floor_ms": everything / bandwidth * 1000,
     }
@@ -142,7 +153,8 @@ def print_table(out: dict) -> None:
                  f"{r['step_host_ms']:>7.2f}")  # fmt: skip
         print(" ".join(cells))
     for b, c, gib in out["skipped"]:
-        print(f"skipped: batch {b} at {c} tokens needs {gib} GiB of KV (--kv-gib {out['kv_gib']})")
+        print(f"skipped: batch {b} at {c} tokens ({gib} GiB of KV; --kv-gib {out['kv_gib']}, "
+              f"positions {out['max_positions']})")  # fmt: skip
     if out.get("goal"):
         print(out["goal"])
 
@@ -180,30 +192,29 @@ def goal_line(rows: list[dict]) -> str | None:
 def main() -> None:
     args = parse_args()
     rb.register_shapes()
-    shape = rb.SHAPES[args.model.removeprefix("random:")]
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
-    per_token = rb.kv_bytes_per_token(shape, dtype, args.drafter != "none")
-    fits, skipped = grid(args, per_token)
+    model_cfg = rb.model_config(args.model)
+    per_token = rb.kv_bytes_per_token(model_cfg, dtype, args.drafter != "none")
+    fits, skipped = grid(args, per_token, model_cfg.max_position_embeddings)
     bandwidth = bandwidth_bytes_per_s(device)
     rb.free_memory()
     runner = make_runner(args, fits, per_token)
-    rows = []
-    for batch, context, _ in rb.progress(fits, "points"):
-        rows.append(measure_point(runner, batch, context, args.repeats))
-        rb.free_memory()  # this point's graphs
     out = {"model": args.model, "drafter": args.drafter, "draft_vocab": args.draft_vocab,
            "k": runner.K, "dtype": str(dtype), "device": rb.device_name(device),
            "bandwidth_tb_s": bandwidth / 1e12, "kv_gib": args.kv_gib,
+           "max_positions": model_cfg.max_position_embeddings,
            "kv_capacity": runner.kv.capacity(runner.max_model_len),
-           "floors": floors(runner, bandwidth), "skipped": skipped}  # fmt: skip
-    for r in rows:
-        r["verify_over_floor"] = r["verify_ms"] / out["floors"]["verify_floor_ms"]
-        r["step_over_floor"] = r["step_ms"] / out["floors"]["step_floor_ms"]
-    out["rows"], out["goal"] = rows, goal_line(rows)
-    out["peak_memory_gib"] = rb.peak_memory_gib(device)
+           "floors": floors(runner, bandwidth), "skipped": skipped, "rows": []}  # fmt: skip
+    for batch, context, _ in rb.progress(fits, "points", "point"):
+        row = measure_point(runner, batch, context, args.repeats)
+        rb.free_memory()  # this point's graphs
+        row["verify_over_floor"] = row["verify_ms"] / out["floors"]["verify_floor_ms"]
+        row["step_over_floor"] = row["step_ms"] / out["floors"]["step_floor_ms"]
+        out["rows"].append(row)
+        out["goal"], out["peak_memory_gib"] = goal_line(out["rows"]), rb.peak_memory_gib(device)
+        args.output.write_text(json.dumps(out, indent=1) + "\n")  # a timeout keeps what ran
     print_table(out)
-    args.output.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.output}")
 
 
