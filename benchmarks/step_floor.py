@@ -52,10 +52,13 @@ def read_bytes(model: torch.nn.Module, embedding_read: bool = False) -> int:
 def capture_point(runner, batch: int, context: int) -> StepGraphSet:
     """The engine's verify and draft-chain graphs, for this batch and context only (capturing
     every bucket of an 8B target would take minutes). CPU: none, the eager path runs."""
-    graphs = StepGraphSet()
     if runner.device.type != "cuda":
-        return graphs
-    dummy, dev = runner.kv.dummy_slot, runner.device
+        return StepGraphSet()
+    return point_graphs(runner, batch, context)
+
+
+def point_graphs(runner, batch: int, context: int) -> StepGraphSet:
+    graphs, dummy, dev = StepGraphSet(), runner.kv.dummy_slot, runner.device
     graphs.verify = StepGraphs(runner._verify_greedy, batch, [context], dummy, [], dev)
     if runner.proposer is not None and runner.K > 1:
         inputs = [GraphInput(torch.long), GraphInput(torch.long)]
@@ -75,16 +78,17 @@ def measure_point(runner, batch: int, context: int, repeats: int) -> dict:
     slots = rb.prefill(runner, batch, 16, runner.target_cfg.vocab_size)
     runner.graphs = capture_point(runner, batch, context)
     verify = runner.graphs.verify or runner._verify_greedy
-    chain = runner.graphs.chain or runner.proposer.draft_steps
+    chain = runner.graphs.chain or (runner.proposer.draft_steps if runner.K > 1 else None)
     index = torch.tensor(slots, device=runner.device)
     start = context - rb.margin(runner.K, repeats)
     row = {"batch": batch, "context": context}
     rb.rewind(runner, batch, start)
     row["verify_ms"] = rb.time_ms(lambda: verify(index, kv_len=context), runner.device, repeats)
-    positions = torch.full_like(index, start)
-    row["draft_steps_2_to_k_ms"] = rb.time_ms(
-        lambda: chain(index, index, positions, kv_len=context), runner.device, repeats
-    )
+    positions, row["draft_steps_2_to_k_ms"] = torch.full_like(index, start), 0.0
+    if chain is not None:  # K > 1
+        row["draft_steps_2_to_k_ms"] = rb.time_ms(
+            lambda: chain(index, index, positions, kv_len=context), runner.device, repeats
+        )
     plan, host_s = StepPlan(step_id=1, decode_slots=slots, kv_len=context), []
     rb.rewind(runner, batch, start)
     row["step_ms"] = rb.time_ms(
@@ -136,6 +140,13 @@ def floors(runner, bandwidth: float) -> dict:
         # the earlier figure's floor (DESIGN.md: 3.76 ms on the H200) counted every weight
         "all_target_weights_floor_ms": everything / bandwidth * 1000,
     }
+
+
+def memory_gib(runner) -> dict:
+    drafter = read_bytes(runner.drafter) if runner.drafter is not None else 0
+    return {"target_weights": sum(p.nbytes for p in runner.target.parameters()) / 2**30,
+            "drafter_weights": drafter / 2**30, "kv_pool": runner.kv.nbytes / 2**30,
+            "resource_manager": runner.resources.nbytes / 2**30}  # fmt: skip
 
 
 def print_table(out: dict) -> None:
@@ -205,7 +216,8 @@ def main() -> None:
            "bandwidth_tb_s": bandwidth / 1e12, "kv_gib": args.kv_gib,
            "max_positions": model_cfg.max_position_embeddings,
            "kv_capacity": runner.kv.capacity(runner.max_model_len),
-           "floors": floors(runner, bandwidth), "skipped": skipped, "rows": []}  # fmt: skip
+           "floors": floors(runner, bandwidth), "memory_gib": memory_gib(runner),
+           "skipped": skipped, "rows": []}  # fmt: skip
     for batch, context, _ in rb.progress(fits, "points", "point"):
         row = measure_point(runner, batch, context, args.repeats)
         rb.free_memory()  # this point's graphs

@@ -12,6 +12,7 @@ the GGUF and the drafter by path, and --rounds to keep each mix's median round:
 """
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -143,7 +144,10 @@ def main() -> None:
         for name, params in mixes.items():
             key = f"{name}/{label}"
             results[key] = median_round(engine, prompts, params, host, args.rounds)
-        del engine
+        del engine, host
+        gc.collect()  # its memory back before the next engine sizes its KV pool from what is free
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     print_table(results)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
