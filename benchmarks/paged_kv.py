@@ -78,7 +78,8 @@ def run_timed(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams,
 
 def concurrency(args) -> dict:
     """The same KV memory as per-slot caches and as a paged pool, 16 short requests."""
-    probe = engine(args, max_batch_size=1, cuda_graphs=False)
+    # a pool of a few blocks: the probe only reads shapes (on a GPU no profiling either)
+    probe = engine(args, max_batch_size=1, cuda_graphs=False, kv_cache_memory_gb=0.01)
     per_slot = probe.executor.kv.bytes_per_token * probe.executor.kv.cache_len
     budget_gb = args.slots * per_slot / 2**30
     prompts = [filler(probe, 60 + 10 * i, i) for i in range(16)]

@@ -100,6 +100,8 @@ def parse_args():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="default: float32 on a CPU, else auto (bf16)")
     ap.add_argument("--rounds", type=int, default=1, help="runs of each mix; the median is kept")
+    pool_help = "the KV pool in GiB (default: the engine's sizing, on a GPU by profiling)"
+    ap.add_argument("--kv-cache-gb", type=float, default=None, help=pool_help)
     ap.add_argument("--out", default="benchmarks/structured_speed_cpu.json")
     args = ap.parse_args()
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "auto")
@@ -136,6 +138,7 @@ def main() -> None:
         cfg = EngineConfig(
             model=args.model, drafter=drafter, num_draft_tokens=args.k,
             max_batch_size=args.batch, max_model_len=512, device=args.device, dtype=args.dtype,
+            kv_cache_memory_gb=args.kv_cache_gb,
         )  # fmt: skip
         engine = LLMEngine(cfg)
         host = timed_grammar_host(engine.scheduler)
