@@ -1,20 +1,28 @@
-"""What the paged KV pool buys, on CPU, as ratios measured in one run (GPU figures come with the
-GPU issue); greedy, and the same tokens checked throughout:
+"""What the paged KV pool buys, as ratios measured in one run; greedy, and the same tokens checked
+throughout (on a GPU in bf16 a different chunking may legitimately change a near-tie):
 
 1. concurrency: requests served at once from one fixed KV memory, paged pool against per-slot
    caches of max_model_len each (what memory_budget_gb gives);
 2. prefix cache: time to first token of a request whose long prefix is cached, against cold;
 3. chunked prefill: the longest stall of running streams while a long prompt arrives, chunked
    (max_num_batched_tokens) against whole.
+Also the KV capacity the engine logs at start (blocks, tokens, concurrency) at its default sizing.
+--repeats takes the median of several TTFTs and stalls (each with its own prompts).
 
     python benchmarks/paged_kv.py [--model smollm2-135m] [--prefix-len 2500] [--long-len 6000]
         [--budget 512] [--out benchmarks/paged_kv.json]
+    python3 benchmarks/paged_kv.py --device cuda --model SmolLM2-135M-Instruct.Q4_1.gguf \
+        --drafter speculative/drafters/smollm2-135m --repeats 3 --out $OUT/paged_kv_gpu.json
 """
 
 import argparse
+import gc
 import json
+import statistics
 import time
 from pathlib import Path
+
+import torch
 
 from speculative.config import EngineConfig, SamplingParams
 from speculative.engine import LLMEngine
@@ -26,9 +34,22 @@ def engine(args, **overrides) -> LLMEngine:
     cfg = dict(
         model=args.model, drafter=args.drafter, num_draft_tokens=3, max_batch_size=16,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_model_len,
-        device="cpu", dtype="float32",
+        device=args.device, dtype=args.dtype,
     )  # fmt: skip
     return LLMEngine(EngineConfig(**(cfg | overrides)))
+
+
+def release() -> None:
+    """Give a dropped engine's memory back: the next one may size its pool from free memory."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def kv_capacity(e: LLMEngine) -> dict:
+    runner = e.executor
+    return {"line": runner.kv.capacity(runner.max_model_len), "num_blocks": runner.num_blocks,
+            "block_size": runner.block_size, "num_slots": runner.num_slots}  # fmt: skip
 
 
 def filler(engine: LLMEngine, n: int, seed: int) -> list[int]:
@@ -57,55 +78,79 @@ def run_timed(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams,
 
 def concurrency(args) -> dict:
     """The same KV memory as per-slot caches and as a paged pool, 16 short requests."""
-    probe = engine(args, max_batch_size=1)
-    per_slot = probe.executor.kv.nbytes
+    # a pool of a few blocks: the probe only reads shapes (on a GPU no profiling either)
+    probe = engine(args, max_batch_size=1, cuda_graphs=False, kv_cache_memory_gb=0.01)
+    per_slot = probe.executor.kv.bytes_per_token * probe.executor.kv.cache_len
     budget_gb = args.slots * per_slot / 2**30
     prompts = [filler(probe, 60 + 10 * i, i) for i in range(16)]
+    del probe
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     work = [(p, params, 0) for p in prompts]
-    slots = engine(args, memory_budget_gb=budget_gb)
-    paged = engine(args, kv_cache_memory_gb=budget_gb)
-    slot_reqs, _, slot_peak = run_timed(slots, work)
-    paged_reqs, _, paged_peak = run_timed(paged, work)
-    same = [r.output_ids for r in slot_reqs] == [r.output_ids for r in paged_reqs]
+    runs = {}
+    for name, sizing in (("slots", "memory_budget_gb"), ("paged", "kv_cache_memory_gb")):
+        release()
+        reqs, _, peak = run_timed(engine(args, **{sizing: budget_gb}), work)
+        runs[name] = (peak, [r.output_ids for r in reqs])
+    (slot_peak, slot_ids), (paged_peak, paged_ids) = runs["slots"], runs["paged"]
     return {"kv_gb": budget_gb, "slot_cache_peak_running": slot_peak,
             "paged_peak_running": paged_peak, "ratio": paged_peak / slot_peak,
-            "same_tokens": same}  # fmt: skip
+            "same_tokens": slot_ids == paged_ids}  # fmt: skip
 
 
 def prefix_ttft(args) -> dict:
     """TTFT of prefix + question, cold (caching off) and with the prefix cached by a request
-    before it."""
+    before it; --repeats questions, the median. Also the cold engine's KV capacity."""
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     results = {}
     for name, caching in (("cold", False), ("cached", True)):
+        release()
         e = engine(args, enable_prefix_caching=caching)
         prefix = filler(e, args.prefix_len, 1)
         run_timed(e, [(prefix + filler(e, 20, 2), params, 0)])
-        (r,), (times,), _ = run_timed(e, [(prefix + filler(e, 20, 3), params, 0)])
-        results[name] = {"ttft_s": times[1] - times[0], "tokens": r.output_ids}
-    return {"prefix_len": args.prefix_len, "cold_ttft_s": results["cold"]["ttft_s"],
-            "cached_ttft_s": results["cached"]["ttft_s"],
-            "speedup": results["cold"]["ttft_s"] / results["cached"]["ttft_s"],
-            "same_tokens": results["cold"]["tokens"] == results["cached"]["tokens"]}  # fmt: skip
+        ttfts, tokens = [], []
+        for i in range(args.repeats):
+            (r,), (times,), _ = run_timed(e, [(prefix + filler(e, 20, 3 + i), params, 0)])
+            ttfts.append(times[1] - times[0])
+            tokens.append(r.output_ids)
+        results[name] = {"ttft_s": statistics.median(ttfts), "all_s": ttfts, "tokens": tokens}
+        results[name]["kv"] = kv_capacity(e)
+        del e
+    cold, cached = results["cold"], results["cached"]
+    return {"prefix_len": args.prefix_len, "cold_ttft_s": cold["ttft_s"],
+            "cached_ttft_s": cached["ttft_s"], "speedup": cold["ttft_s"] / cached["ttft_s"],
+            "cold_all_s": cold["all_s"], "cached_all_s": cached["all_s"],
+            "same_tokens": cold["tokens"] == cached["tokens"],
+            "kv_capacity": cold["kv"]}  # fmt: skip
+
+
+def longest_stall(e: LLMEngine, args, seed: int) -> tuple[float, list]:
+    """Two streams run; a long prompt joins; the longest gap between a stream's tokens."""
+    stream = SamplingParams(max_tokens=args.stream_tokens, ignore_eos=True)
+    work = [(filler(e, 40, seed), stream, 0), (filler(e, 50, seed + 1), stream, 0),
+            (filler(e, args.long_len, seed + 2), SamplingParams(max_tokens=8), 4)]  # fmt: skip
+    reqs, times, _ = run_timed(e, work)
+    gaps = [b - a for t in times[:2] for a, b in zip(t[2:], t[3:])]  # after the first token
+    return max(gaps), [r.output_ids for r in reqs]
 
 
 def chunked_stall(args) -> dict:
-    """Two streams run; a long prompt joins; the longest gap between a stream's tokens."""
+    """The longest stall, whole prefill against chunked (--repeats runs, the median); caching
+    off, so a repeat's prompts are computed again."""
     results = {}
     for name, budget in (("whole", args.max_model_len), ("chunked", args.budget)):
-        e = engine(args, max_num_batched_tokens=budget)
-        stream = SamplingParams(max_tokens=args.stream_tokens, ignore_eos=True)
-        work = [(filler(e, 40, 4), stream, 0), (filler(e, 50, 5), stream, 0),
-                (filler(e, args.long_len, 6), SamplingParams(max_tokens=8), 4)]  # fmt: skip
-        reqs, times, _ = run_timed(e, work)
-        gaps = [b - a for t in times[:2] for a, b in zip(t[2:], t[3:])]  # after the first token
-        results[name] = {"stall_s": max(gaps), "tokens": [r.output_ids for r in reqs]}
+        release()
+        e = engine(args, max_num_batched_tokens=budget, enable_prefix_caching=False)
+        runs = [longest_stall(e, args, 4 + 3 * i) for i in range(args.repeats)]
+        stalls = [stall for stall, _ in runs]
+        results[name] = {"stall_s": statistics.median(stalls), "all_s": stalls,
+                         "tokens": [tokens for _, tokens in runs]}  # fmt: skip
+        del e
+    whole, chunked = results["whole"], results["chunked"]
     return {"long_len": args.long_len, "budget": args.budget,
-            "whole_stall_s": results["whole"]["stall_s"],
-            "chunked_stall_s": results["chunked"]["stall_s"],
-            "ratio": results["whole"]["stall_s"] / results["chunked"]["stall_s"],
-            "same_tokens": results["whole"]["tokens"] == results["chunked"]["tokens"]}  # fmt: skip
+            "whole_stall_s": whole["stall_s"], "chunked_stall_s": chunked["stall_s"],
+            "ratio": whole["stall_s"] / chunked["stall_s"], "whole_all_s": whole["all_s"],
+            "chunked_all_s": chunked["all_s"],
+            "same_tokens": whole["tokens"] == chunked["tokens"]}  # fmt: skip
 
 
 def main():
@@ -118,10 +163,17 @@ def main():
     p.add_argument("--long-len", type=int, default=6000)
     p.add_argument("--budget", type=int, default=512, help="chunked max_num_batched_tokens")
     p.add_argument("--stream-tokens", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=1, help="TTFTs and stalls, the median kept")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="default: float32 on a CPU, else auto (bf16)")
     p.add_argument("--out", type=Path, default=HERE / "paged_kv.json")
     args = p.parse_args()
-    report = {"concurrency": concurrency(args), "prefix_cache": prefix_ttft(args),
-              "chunked_prefill": chunked_stall(args)}  # fmt: skip
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "auto")
+    report = {"device": args.device, "dtype": args.dtype}
+    for name, measure in (("concurrency", concurrency), ("prefix_cache", prefix_ttft),
+                          ("chunked_prefill", chunked_stall)):  # fmt: skip
+        print(f"== {name}", flush=True)
+        report[name] = measure(args)
     print(f"{'measure':<44}{'baseline':>12}{'paged':>12}{'ratio':>8}  same tokens")
     c, f, s = report["concurrency"], report["prefix_cache"], report["chunked_prefill"]
     rows = [
@@ -134,6 +186,7 @@ def main():
     ]  # fmt: skip
     for name, base, paged, ratio, same in rows:
         print(f"{name:<44}{base:>12.3f}{paged:>12.3f}{ratio:>8.2f}  {same}")
+    print(f"KV at the default sizing: {f['kv_capacity']['line']}")
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
 
