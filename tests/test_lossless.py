@@ -470,7 +470,7 @@ def test_whole_decode_step_function(tiny_dir, tiny_drafter_dir, prompts, plain_r
         draft_siblings=siblings,
     )
     engine.executor.graphs.verify = EagerGraphs(
-        engine.executor._decode_step, engine.executor.resources.dummy_slot
+        engine.executor.verifier.decode_step, engine.executor.resources.dummy_slot
     )
     fresh = ModelRunner(engine.cfg)
     requests = run_with_oracle(
@@ -505,7 +505,7 @@ def test_eager_verification_after_the_graphed_target_pass(
         runner = engine.executor
         if graphed:
             runner.graphs.target_pass = EagerGraphs(
-                runner._target_pass, runner.resources.dummy_slot
+                runner.verifier.target_pass, runner.resources.dummy_slot
             )
         outputs.append([r.output_ids for r in run_to_completion(engine, prompts, params, JOINS)])
     assert outputs[0] == outputs[1]

@@ -158,11 +158,11 @@ def capture_step_graphs(runner) -> StepGraphSet:
     graphs.prefill = StepGraphs(
         runner._prefill_greedy, slots, prompt_lengths, dummy, prompt_inputs, dev, max_tokens
     )
-    whole_step = runner.cfg.graph_first_draft and runner.drafter is not None
-    verify = runner._decode_step if whole_step else runner._verify_greedy
+    verifier = runner.verifier
+    verify = verifier.decode_step if verifier.whole_step else verifier.greedy
     graphs.verify = StepGraphs(verify, slots, kv_buckets(cache_len), dummy, [], dev)
     graphs.target_pass = StepGraphs(
-        runner._target_pass, slots, kv_buckets(cache_len), dummy, [], dev
+        verifier.target_pass, slots, kv_buckets(cache_len), dummy, [], dev
     )
     if runner.drafter is not None and runner.K > 1:
         chain_inputs = [GraphInput(torch.long), GraphInput(torch.long)]

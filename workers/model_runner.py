@@ -1,11 +1,12 @@
 """One rank's share of a step: build the target and drafter shards, their KV caches, the Eagle3
-resource manager and the slot state, then `execute(plan)` = prefill, verify, draft.
+resource manager and the slot state, then `execute(plan)` = prefill, verify (the Verifier,
+workers/verifier.py), draft (the Proposer).
 
 A plan only says "continue slot s": the slot state on the device holds what a step continues
 from, so the coordinator never needs the previous step's tokens on the host, which is what lets
-it keep a step in flight. Greedy steps run as CUDA graphs (`_prefill_greedy`, `_verify_greedy`,
-the draft chain); the others replay the target pass's graph and process logits, verify and
-sample eagerly (`_prefill_eager`, `_verify_eager`)."""
+it keep a step in flight. Greedy steps run as CUDA graphs (`_prefill_greedy`, the Verifier's
+`greedy`, the draft chain); the others process logits and sample eagerly (`_prefill_eager`, the
+Verifier's `eager`, which replays the target pass's graph)."""
 
 import logging
 import time
@@ -13,18 +14,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from speculative.draft_tree import tree_layout
 from speculative.plan import StepPlan
 from speculative.proposer import DraftSeed, Proposer
 from speculative.resource_manager import Eagle3ResourceManager
-from speculative.sampling import (
-    process_logits,
-    prompt_logprobs,
-    sample_one,
-    slot_probs,
-    token_logprobs,
-)
-from speculative.verify import verify_greedy, verify_seeded
+from speculative.sampling import process_logits, prompt_logprobs, sample_one, token_logprobs
 from workers.build import load_models, weight_bytes
 from workers.cuda_graphs import StepGraphSet, capture_step_graphs
 from workers.device import pick_device, pick_dtype
@@ -37,6 +30,7 @@ from workers.models import ModelConfig
 from workers.slot_state import SlotState
 from workers.step_io import StepOutput, prepare_inputs, send_back
 from workers.sync_guard import no_host_sync
+from workers.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +92,12 @@ class ModelRunner:
         )
         history_len = cache_len if cfg.prompt_lookup > 0 and drafter is not None else 0
         self.state = SlotState(self.num_slots, self.K, self.M, tc.vocab_size, history_len, dev)
-        depth, sees = tree_layout(self.K, self.M)
-        self.node_depth, self.tree_sees = depth.to(dev), sees.to(dev)
+        parts = (self.state, self.resources, self.kv)
         self.proposer = None
         if drafter is not None:
-            parts = (self.state, self.resources, self.kv)
             self.proposer = Proposer(drafter, *parts, self.K, self.M, cfg.prompt_lookup)
+        whole_step = cfg.graph_first_draft and drafter is not None
+        self.verifier = Verifier(self.target, *parts, self.proposer, self.K, self.M, whole_step)
 
     # ---- the step ----
 
@@ -152,7 +146,7 @@ class ModelRunner:
             parts.append(part)
             seeds.append(seed)
         if plan.decode_slots:
-            *part, seed = self._verify(plan, inputs["decode_slots"])
+            *part, seed = self.verifier.verify(plan, inputs["decode_slots"], self.graphs)
             parts.append(part)
             seeds.append(seed)
         # None: no drafter, or the whole-step graph drafted already
@@ -240,119 +234,3 @@ class ModelRunner:
             return (token,)
         seed = self.proposer.from_prompt(ids, lens, token, features, batch)
         return token, seed.hidden, seed.first_draft
-
-    # ---- verify ----
-
-    def _verify(self, plan: StepPlan, slots: torch.Tensor):
-        """-> tokens [B, K+1], num_emitted [B], logprobs or None, and what the draft chain
-        continues from (None without a drafter or when the whole-step graph drafted already)."""
-        graphs, logprobs = self.graphs.verify, None
-        if graphs is not None and plan.graphable and graphs.fits(slots.shape[0], plan.kv_len):
-            tokens, emitted, base, path = graphs(slots, kv_len=plan.kv_len)
-            if self.cfg.graph_first_draft:
-                return tokens, emitted, None, None
-        else:
-            tokens, emitted, base, path, logprobs = self._verify_eager(plan, slots, plan.kv_len)
-        if self.proposer is None:
-            return tokens, emitted, logprobs, None
-        last, first_draft = self.proposer.after_verify(
-            slots, tokens, emitted, base, path, plan.kv_len, self.T
-        )
-        return tokens, emitted, logprobs, DraftSeed(slots, last, base + emitted - 1, first_draft)
-
-    def _target_pass(self, slots: torch.Tensor, kv_len: int):
-        """The target's forward over each row's draft tree (the pending token, the drafts, their
-        siblings), writing its K/V and the drafter's features. -> final hidden states [B, T, H],
-        the tree's tokens [B, T], the position of the pending token before the step [B]."""
-        K, M, B, state = self.K, self.M, slots.shape[0], self.state
-        base = state.num_computed[slots]  # [B]
-        drafts = [state.drafts[slots, :K]]
-        if M:
-            drafts.append(state.siblings[slots, :, :K].flatten(1))
-        ids = torch.cat([state.last_token[slots].unsqueeze(1), *drafts], dim=1)  # [B, T]
-        valid = torch.ones_like(ids, dtype=torch.bool)
-        positions = base.unsqueeze(1) + self.node_depth  # [B, T]; a chain's rows: its positions
-        if M:
-            rows = base.unsqueeze(1) + torch.arange(self.T, device=self.device)
-            batch = self.kv.batch(slots, positions, valid, kv_len, rows, self.tree_sees)
-        else:
-            batch = self.kv.batch(slots, positions, valid, kv_len)
-        features = self.resources.feature_view(B, self.T) if self.drafter else None
-        hidden, _ = self.target(ids, batch, features)
-        return hidden, ids, base
-
-    def _split_tree(self, ids: torch.Tensor):
-        """The verify pass's tokens [B, T] -> drafts [B, K], siblings [B, M, K] or None."""
-        K, M = self.K, self.M
-        siblings = ids[:, K + 1 :].reshape(ids.shape[0], M, K) if M else None
-        return ids[:, 1 : K + 1], siblings
-
-    def _verify_greedy(self, slots: torch.Tensor, kv_len: int):
-        """The CUDA-graphed verify pass. -> tokens [B, K+1], num_emitted [B], position of the
-        pending token before the step [B], the node whose logits chose each token [B, K+1]."""
-        hidden, ids, base = self._target_pass(slots, kv_len)
-        target_ids = self.target.logits(hidden).argmax(-1)
-        tokens, emitted, path = verify_greedy(target_ids, *self._split_tree(ids))
-        self._after_verify(slots, tokens, emitted, base, path)
-        return tokens, emitted, base, path
-
-    def _verify_eager(self, plan: StepPlan, slots: torch.Tensor, kv_len: int):
-        """Verification with sampling, penalties, bias, min_tokens or logprobs, after the
-        target pass (replayed from its graph where one fits). -> `_verify_greedy`'s outputs
-        and the logprobs or None."""
-        K, B = self.K, slots.shape[0]
-        graphs = self.graphs.target_pass
-        if graphs is not None and graphs.fits(B, kv_len):
-            hidden, ids, base = graphs(slots, kv_len=kv_len)
-        else:
-            hidden, ids, base = self._target_pass(slots, kv_len)
-        drafts, siblings = self._split_tree(ids)
-        positions = base.unsqueeze(1) + self.node_depth  # [B, T] each node's position
-        raw_logits = self.target.logits(hidden)  # [B, T, V]
-        # node i's logits choose the token at its position + 1
-        logits = process_logits(
-            plan, self.state, raw_logits, slots, positions + 1, ids, self.tree_sees
-        )
-        limit = self.state.draft_limit[slots] if plan.use_draft_limits else None
-        if plan.all_greedy:
-            tokens, emitted, path = verify_greedy(logits.argmax(-1), drafts, siblings, limit)
-        else:
-            probs = slot_probs(plan, self.state, logits, slots)
-            seeds, chain = self.state.seeds[slots], positions[:, : K + 1]
-            tokens, emitted, path = verify_seeded(probs, drafts, siblings, seeds, chain, limit)
-        logprobs = None
-        if plan.num_logprobs is not None:  # the model's own, before penalties
-            rows = torch.arange(B, device=self.device).unsqueeze(1)
-            logprobs = token_logprobs(raw_logits[rows, path], tokens, plan.num_logprobs)
-        if plan.use_penalties:
-            emitted_mask = torch.arange(K + 1, device=self.device) < emitted.unsqueeze(1)
-            self.state.count_outputs(slots, tokens, emitted_mask)
-        self._after_verify(slots, tokens, emitted, base, path)
-        return tokens, emitted, base, path, logprobs
-
-    def _after_verify(self, slots, tokens, emitted, base, path) -> None:
-        """Move an accepted sibling's K/V into place and advance the slots."""
-        rows = torch.arange(slots.shape[0], device=self.device)
-        last = emitted - 1  # the last emitted token's column: its node is the only one to move
-        if self.M:
-            node = path[rows, last]
-            into = torch.where(node != last, slots, self.kv.dummy_slot)
-            self.kv.move_target_rows(slots, into, base + node, base + last)
-        self.state.advance(slots, tokens[rows, last], base + emitted)
-        # past the emitted ones: overwritten before being read
-        self.state.record(slots, base.unsqueeze(1) + self.node_depth[: self.K + 1] + 1, tokens)
-
-    # ---- draft ----
-
-    def _decode_step(self, slots: torch.Tensor, kv_len: int):
-        """A whole greedy decode step as one CUDA graph (`graph_first_draft`): verify pass,
-        first draft forward and draft forwards 2..K. The first draft's shape is fixed at
-        [B, K+1] (rows past the accepted tokens write to the dummy slot), so it can be captured,
-        which saves its ~40 eager launches and the chain graph's launch and input copies."""
-        tokens, emitted, base, path = self._verify_greedy(slots, kv_len)
-        last, first_draft = self.proposer.after_verify(
-            slots, tokens, emitted, base, path, kv_len, self.T
-        )
-        self.resources.write_hidden(slots, last)
-        self.proposer.draft_steps(slots, first_draft, base + emitted - 1, kv_len)
-        return tokens, emitted, base, path

@@ -1,0 +1,155 @@
+"""One rank's verify side of a step: the target's pass over each row's draft tree (the pending
+token, the K drafts, their siblings), acceptance (`speculative/verify.py`'s rules), moving an
+accepted sibling's K/V into place and advancing the slots. The runner composes it, as it does the
+Proposer, and passes it the step's graphs.
+
+Greedy steps replay `greedy` (or, with `graph_first_draft`, `decode_step`: the whole step with
+the first draft) as CUDA graphs; the others replay `target_pass`'s graph and verify eagerly
+(`eager`)."""
+
+import torch
+
+from speculative.draft_tree import tree_layout
+from speculative.plan import StepPlan
+from speculative.proposer import DraftSeed, Proposer
+from speculative.resource_manager import Eagle3ResourceManager
+from speculative.sampling import process_logits, slot_probs, token_logprobs
+from speculative.verify import verify_greedy, verify_seeded
+from workers.cuda_graphs import StepGraphs, StepGraphSet
+from workers.kv_cache import KVCache
+from workers.slot_state import SlotState
+
+
+class Verifier:
+    def __init__(
+        self,
+        target,
+        state: SlotState,
+        resources: Eagle3ResourceManager,
+        kv: KVCache,
+        proposer: Proposer | None,
+        K: int,
+        M: int,
+        whole_step: bool,
+    ):
+        self.target, self.state, self.resources, self.kv = target, state, resources, kv
+        self.proposer = proposer  # None without a drafter
+        self.K, self.M = K, M  # chain depth, siblings per depth
+        self.whole_step = whole_step  # the verify graphs are `decode_step`'s
+        self.device = state.device
+        depth, sees = tree_layout(K, M)
+        self.node_depth, self.tree_sees = depth.to(self.device), sees.to(self.device)
+        self.T = depth.shape[0]  # tokens per row in the verify pass
+
+    def verify(self, plan: StepPlan, slots: torch.Tensor, graphs: StepGraphSet):
+        """-> tokens [B, K+1], num_emitted [B], logprobs or None, and what the draft chain
+        continues from (None without a drafter or when the whole-step graph drafted already)."""
+        graph, logprobs = graphs.verify, None
+        if graph is not None and plan.graphable and graph.fits(slots.shape[0], plan.kv_len):
+            tokens, emitted, base, path = graph(slots, kv_len=plan.kv_len)
+            if self.whole_step:
+                return tokens, emitted, None, None
+        else:
+            tokens, emitted, base, path, logprobs = self.eager(
+                plan, slots, plan.kv_len, graphs.target_pass
+            )
+        if self.proposer is None:
+            return tokens, emitted, logprobs, None
+        last, first_draft = self.proposer.after_verify(
+            slots, tokens, emitted, base, path, plan.kv_len, self.T
+        )
+        return tokens, emitted, logprobs, DraftSeed(slots, last, base + emitted - 1, first_draft)
+
+    def target_pass(self, slots: torch.Tensor, kv_len: int):
+        """The target's forward over each row's draft tree (the pending token, the drafts, their
+        siblings), writing its K/V and the drafter's features. -> final hidden states [B, T, H],
+        the tree's tokens [B, T], the position of the pending token before the step [B]."""
+        K, M, B, state = self.K, self.M, slots.shape[0], self.state
+        base = state.num_computed[slots]  # [B]
+        drafts = [state.drafts[slots, :K]]
+        if M:
+            drafts.append(state.siblings[slots, :, :K].flatten(1))
+        ids = torch.cat([state.last_token[slots].unsqueeze(1), *drafts], dim=1)  # [B, T]
+        valid = torch.ones_like(ids, dtype=torch.bool)
+        positions = base.unsqueeze(1) + self.node_depth  # [B, T]; a chain's rows: its positions
+        if M:
+            rows = base.unsqueeze(1) + torch.arange(self.T, device=self.device)
+            batch = self.kv.batch(slots, positions, valid, kv_len, rows, self.tree_sees)
+        else:
+            batch = self.kv.batch(slots, positions, valid, kv_len)
+        features = self.resources.feature_view(B, self.T) if self.proposer is not None else None
+        hidden, _ = self.target(ids, batch, features)
+        return hidden, ids, base
+
+    def _split_tree(self, ids: torch.Tensor):
+        """The verify pass's tokens [B, T] -> drafts [B, K], siblings [B, M, K] or None."""
+        K, M = self.K, self.M
+        siblings = ids[:, K + 1 :].reshape(ids.shape[0], M, K) if M else None
+        return ids[:, 1 : K + 1], siblings
+
+    def greedy(self, slots: torch.Tensor, kv_len: int):
+        """The CUDA-graphed verify pass. -> tokens [B, K+1], num_emitted [B], position of the
+        pending token before the step [B], the node whose logits chose each token [B, K+1]."""
+        hidden, ids, base = self.target_pass(slots, kv_len)
+        target_ids = self.target.logits(hidden).argmax(-1)
+        tokens, emitted, path = verify_greedy(target_ids, *self._split_tree(ids))
+        self._after_verify(slots, tokens, emitted, base, path)
+        return tokens, emitted, base, path
+
+    def eager(self, plan: StepPlan, slots: torch.Tensor, kv_len: int, graphs: StepGraphs | None):
+        """Verification with sampling, penalties, bias, min_tokens or logprobs, after the
+        target pass (replayed from its graphs where one fits). -> `greedy`'s outputs and the
+        logprobs or None."""
+        K, B = self.K, slots.shape[0]
+        if graphs is not None and graphs.fits(B, kv_len):
+            hidden, ids, base = graphs(slots, kv_len=kv_len)
+        else:
+            hidden, ids, base = self.target_pass(slots, kv_len)
+        drafts, siblings = self._split_tree(ids)
+        positions = base.unsqueeze(1) + self.node_depth  # [B, T] each node's position
+        raw_logits = self.target.logits(hidden)  # [B, T, V]
+        # node i's logits choose the token at its position + 1
+        logits = process_logits(
+            plan, self.state, raw_logits, slots, positions + 1, ids, self.tree_sees
+        )
+        limit = self.state.draft_limit[slots] if plan.use_draft_limits else None
+        if plan.all_greedy:
+            tokens, emitted, path = verify_greedy(logits.argmax(-1), drafts, siblings, limit)
+        else:
+            probs = slot_probs(plan, self.state, logits, slots)
+            seeds, chain = self.state.seeds[slots], positions[:, : K + 1]
+            tokens, emitted, path = verify_seeded(probs, drafts, siblings, seeds, chain, limit)
+        logprobs = None
+        if plan.num_logprobs is not None:  # the model's own, before penalties
+            rows = torch.arange(B, device=self.device).unsqueeze(1)
+            logprobs = token_logprobs(raw_logits[rows, path], tokens, plan.num_logprobs)
+        if plan.use_penalties:
+            emitted_mask = torch.arange(K + 1, device=self.device) < emitted.unsqueeze(1)
+            self.state.count_outputs(slots, tokens, emitted_mask)
+        self._after_verify(slots, tokens, emitted, base, path)
+        return tokens, emitted, base, path, logprobs
+
+    def _after_verify(self, slots, tokens, emitted, base, path) -> None:
+        """Move an accepted sibling's K/V into place and advance the slots."""
+        rows = torch.arange(slots.shape[0], device=self.device)
+        last = emitted - 1  # the last emitted token's column: its node is the only one to move
+        if self.M:
+            node = path[rows, last]
+            into = torch.where(node != last, slots, self.kv.dummy_slot)
+            self.kv.move_target_rows(slots, into, base + node, base + last)
+        self.state.advance(slots, tokens[rows, last], base + emitted)
+        # past the emitted ones: overwritten before being read
+        self.state.record(slots, base.unsqueeze(1) + self.node_depth[: self.K + 1] + 1, tokens)
+
+    def decode_step(self, slots: torch.Tensor, kv_len: int):
+        """A whole greedy decode step as one CUDA graph (`graph_first_draft`): verify pass,
+        first draft forward and draft forwards 2..K. The first draft's shape is fixed at
+        [B, K+1] (rows past the accepted tokens write to the dummy slot), so it can be captured,
+        which saves its ~40 eager launches and the chain graph's launch and input copies."""
+        tokens, emitted, base, path = self.greedy(slots, kv_len)
+        last, first_draft = self.proposer.after_verify(
+            slots, tokens, emitted, base, path, kv_len, self.T
+        )
+        self.resources.write_hidden(slots, last)
+        self.proposer.draft_steps(slots, first_draft, base + emitted - 1, kv_len)
+        return tokens, emitted, base, path
