@@ -11,8 +11,9 @@ from conftest import tiny_engine
 
 from deployments.cli import _engine_config, _serve_config
 from deployments.cli_args import build_parser
-from speculative.block_manager import BlockManager, RequestBlocks
+from speculative.block_manager import BlockManager
 from speculative.config import EngineConfig, SamplingParams
+from speculative.request_blocks import RequestBlocks
 from workers import memory_profile
 from workers.kv_sizing import (
     CPU_KV_CACHE_GB,
