@@ -6,7 +6,7 @@ from conftest import run_to_completion, tiny_engine, tiny_prompts
 
 import speculative.sampling
 import speculative.verify
-import workers.model_runner
+import workers.verifier
 from speculative.config import SamplingParams
 from speculative.sampling import ACCEPT_STREAM, SAMPLE_STREAM, sample, target_probs, uniform
 from speculative.verify import verify_greedy, verify_sampled
@@ -261,7 +261,7 @@ def test_steps_run_without_host_sync(tiny_dir, tiny_drafter_dir, case, drafts):
 @pytest.mark.parametrize(
     "module, function, params",
     [
-        (workers.model_runner, "verify_greedy", CASES["greedy"]),
+        (workers.verifier, "verify_greedy", CASES["greedy"]),
         (speculative.verify, "verify_sampled", CASES["sampled"]),
         (speculative.sampling, "sample", CASES["sampled"]),
     ],
