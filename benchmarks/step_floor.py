@@ -59,7 +59,7 @@ def capture_point(runner, batch: int, context: int) -> StepGraphSet:
 
 def point_graphs(runner, batch: int, context: int) -> StepGraphSet:
     graphs, dummy, dev = StepGraphSet(), runner.kv.dummy_slot, runner.device
-    graphs.verify = StepGraphs(runner._verify_greedy, batch, [context], dummy, [], dev)
+    graphs.verify = StepGraphs(runner.verifier.greedy, batch, [context], dummy, [], dev)
     if runner.proposer is not None and runner.K > 1:
         inputs = [GraphInput(torch.long), GraphInput(torch.long)]
         chain = runner.proposer.draft_steps
@@ -77,7 +77,7 @@ def measure_point(runner, batch: int, context: int, repeats: int) -> dict:
     rb.place_rows(runner, batch, context)
     slots = rb.prefill(runner, batch, 16, runner.target_cfg.vocab_size)
     runner.graphs = capture_point(runner, batch, context)
-    verify = runner.graphs.verify or runner._verify_greedy
+    verify = runner.graphs.verify or runner.verifier.greedy
     chain = runner.graphs.chain or (runner.proposer.draft_steps if runner.K > 1 else None)
     index = torch.tensor(slots, device=runner.device)
     start = context - rb.margin(runner.K, repeats)

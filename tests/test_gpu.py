@@ -304,15 +304,8 @@ def test_gqa_attention_equals_folded_under_cudnn():
 
 if __name__ == "__main__":
     results = {}
-    for test in (
-        test_graphs_equal_eager_and_spec_equals_plain,
-        test_logprobs_take_the_eager_path_unchanged,
-        test_sampled_steps_replay_the_target_pass_graph,
-        test_prompt_lookup_drafts_the_same_in_graphs,
-        test_draft_tree_drafts_the_same_in_graphs,
-        test_no_host_sync_inside_steps,
-        test_gqa_attention_equals_folded_under_cudnn,
-    ):
+    tests = [f for name, f in list(globals().items()) if name.startswith("test_")]
+    for test in tests:  # in the order they are defined
         try:
             test()
             results[test.__name__] = "passed"
