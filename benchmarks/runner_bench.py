@@ -108,10 +108,6 @@ def build_runner(cfg: EngineConfig, graphs: bool, draft_vocab_size: int | None =
     torch.manual_seed(0)
     with default_dtype(dtype), draft_vocab(draft_vocab_size):
         runner = ModelRunner(cfg.model_copy(update={"cuda_graphs": False}))
-        # the random drafter draws again the embedding it shares with the target: one draw for
-        # every runner, so plain and speculative runners have the same target
-        torch.manual_seed(1)
-        runner.target.embed_tokens.weight.data.normal_(0.0, 0.02)
     if graphs and runner.device.type == "cuda":
         with torch.inference_mode():
             runner.graphs = capture_step_graphs(runner)

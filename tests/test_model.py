@@ -523,3 +523,20 @@ def test_failed_gguf_conversion_leaves_nothing(tmp_path, gguf_cache, monkeypatch
     with pytest.raises(ValueError, match="tokenizer"):
         resolve_model(str(path))
     assert [p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()] == []
+
+
+def test_random_drafter_keeps_the_targets_weights(tmp_path, monkeypatch):
+    """A `random` drafter shares the target's embedding and draws only its own weights: a random
+    target is the same with the drafter as without (speculative against plain compares them)."""
+    from speculative.config import EngineConfig
+    from workers.model_runner import ModelRunner
+
+    monkeypatch.setenv("EAGLESERVE_CACHE", str(tmp_path))
+    targets = []
+    for drafter in ("none", "random"):
+        torch.manual_seed(0)
+        cfg = EngineConfig(model="random:smollm2-135m", drafter=drafter, max_batch_size=1,
+                           max_model_len=64, device="cpu", dtype="float32")  # fmt: skip
+        targets.append(ModelRunner(cfg).target.state_dict())
+    assert targets[0].keys() == targets[1].keys()
+    assert all(torch.equal(targets[0][name], targets[1][name]) for name in targets[0])

@@ -17,8 +17,13 @@ from workers.loader import load_target_weights
 from workers.models import ModelConfig, model_class
 
 
-def init_random_(model: torch.nn.Module) -> None:
+def init_random_(model: torch.nn.Module, keep: torch.nn.Module | None = None) -> None:
+    """Random weights, except those `model` shares with `keep` (the drafter's embedding is the
+    target's: drawing it again would change the target)."""
+    kept = {p.data_ptr() for p in keep.parameters()} if keep is not None else set()
     for name, p in model.named_parameters():
+        if p.data_ptr() in kept:
+            continue
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
         else:
@@ -59,7 +64,7 @@ def load_models(
                 max_positions=cache_len,
                 embed_tokens=target.embed_tokens,
             )
-        init_random_(drafter)
+        init_random_(drafter, keep=target)
     elif drafter_dir is not None:
         drafter = load_drafter(drafter_dir, group, target.embed_tokens, cache_len)
     if drafter is not None:
