@@ -33,6 +33,10 @@ from workers.sync_guard import no_host_sync
 from workers.verifier import Verifier
 
 log = logging.getLogger(__name__)
+# a prefill after a cached prefix replays the graph of prefix + chunk where that is at most this
+# long or twice the chunk's own bucket: an estimate (not yet measured on a GPU) of where the padded
+# tokens cost less than the eager forward's ~600 launches
+SHORT_PREFILL = 256
 
 
 class ModelRunner:
@@ -170,10 +174,11 @@ class ModelRunner:
         logprobs = prompt = None
         kv_len = max(p.start + len(p.token_ids) for p in plan.prefills)
         # chunks that end short of the prompt run eagerly, and so do those after a cached prefix
-        # that would pad them into a larger graph than the chunk alone
+        # long enough to pad them into a much larger graph than the chunk alone
         last = all(p.next_token < 0 for p in plan.prefills)
-        same = graphs is not None and graphs.bucket_length(kv_len) == graphs.bucket_length(T)
-        if same and plan.graphable and last and graphs.fits(B, kv_len):
+        padded = graphs is not None and graphs.bucket_length(kv_len)
+        cheap = padded and padded <= max(2 * graphs.bucket_length(T), SHORT_PREFILL)
+        if cheap and plan.graphable and last and graphs.fits(B, kv_len):
             out = graphs(slots, lens, inp["prefill_starts"], ids, kv_len=kv_len)
         else:
             out, logprobs, prompt = self._prefill_eager(plan, slots, lens, ids, kv_len, inp)
