@@ -176,8 +176,8 @@ class ModelRunner:
         # chunks that end short of the prompt run eagerly, and so do those after a cached prefix
         # long enough to pad them into a much larger graph than the chunk alone
         last = all(p.next_token < 0 for p in plan.prefills)
-        padded = graphs is not None and graphs.bucket_length(kv_len)
-        cheap = padded and padded <= max(2 * graphs.bucket_length(T), SHORT_PREFILL)
+        bucket = graphs.bucket_length(kv_len) if graphs is not None else None
+        cheap = bucket is not None and bucket <= max(2 * graphs.bucket_length(T), SHORT_PREFILL)
         if cheap and plan.graphable and last and graphs.fits(B, kv_len):
             out = graphs(slots, lens, inp["prefill_starts"], ids, kv_len=kv_len)
         else:
