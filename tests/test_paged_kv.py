@@ -3,6 +3,8 @@ requests and recomputes them, a shared prefix is found in the prefix cache, and 
 a token; a request that could never fit is refused; the pool is whole again afterwards."""
 
 import pytest
+import torch
+import torch.nn.functional as F
 from conftest import run_to_completion, tiny_engine, tiny_prompts
 
 from speculative.config import SamplingParams
@@ -218,3 +220,43 @@ def test_scheduler_metrics_follow_the_pool(tiny_dir, prompts):
     assert "# TYPE eagleserve_prefix_cache_hits_total counter" in text
     assert "eagleserve_prefix_cache_hits_total 32\n" in text
     assert "# TYPE eagleserve_kv_cache_usage_perc gauge" in text
+
+
+class PaddedPrefillGraphs:
+    """Stands in for the prefill graphs on CPU: pads a batch as a graph's bucket pads it (twice
+    the rows, with the dummy slot, length 1, start 0; tokens to the length bucket, with id 1) and
+    runs the function a graph captures, eagerly, reading the bucket's length of KV."""
+
+    def __init__(self, runner):
+        self.fn, self.dummy_slot = runner._prefill_greedy, runner.kv.dummy_slot
+        self.lengths = [16 << i for i in range(8)]  # 16 .. 2048, as captured
+        self.starts: list[int] = []
+
+    def bucket_length(self, length: int) -> int | None:
+        return next((n for n in self.lengths if n >= length), None)
+
+    def fits(self, batch: int, length: int) -> bool:
+        return self.bucket_length(length) is not None
+
+    def __call__(self, slots, lens, starts, ids, kv_len: int):
+        self.starts += starts.tolist()
+        B, T = ids.shape
+        L = self.bucket_length(kv_len)
+        pad_rows = torch.full_like(slots, self.dummy_slot)
+        ids = F.pad(torch.cat([ids, torch.ones_like(ids)]), (0, L - T), value=1)
+        lens, starts = torch.cat([lens, torch.ones_like(lens)]), F.pad(starts, (0, B))
+        outputs = self.fn(torch.cat([slots, pad_rows]), lens, starts, ids, kv_len=L)
+        return tuple(o[:B] for o in outputs)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_prefills_after_a_cached_prefix_in_the_graphed_function(
+    tiny_dir, tiny_drafter_dir, prompts, plain_ref, speculative
+):
+    """What the prefill graph runs, padded as it pads, from past a cached prefix: the tokens of
+    plain decoding without the cache (tests/test_gpu.py replays the real graph)."""
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir if speculative else "none", k=3)
+    graphs = engine.executor.graphs.prefill = PaddedPrefillGraphs(engine.executor)
+    outputs = [run_to_completion(engine, [p], GREEDY)[0].output_ids for p in prompts]
+    assert outputs == plain_ref
+    assert graphs.starts == [0] + [32] * (len(prompts) - 1)  # every prefill, past the prefix
