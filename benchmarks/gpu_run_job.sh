@@ -21,7 +21,6 @@
 # typing_extensions 4.16.0, cp312 manylinux wheels, 4.6 MB). TINY=1: a CPU dry run of every part.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-export TVM_FFI_DISABLE_TORCH_C_DLPACK=1  # else tvm-ffi may compile a torch addon at import
 PARTS=" ${PARTS:-floor families structured paged} "
 DEVICE="--device cuda"
 STRUCTURED="--max-tokens 128 --rounds 3 --kv-cache-gb 1"  # 43k tokens; no profiling at start
@@ -30,10 +29,6 @@ if [[ -n "${TINY:-}" ]]; then
     M=smollm2-135m DEVICE="--device cpu" STRUCTURED="--batch 2 --max-tokens 8"
     PAGED="--prefix-len 100 --long-len 200 --max-model-len 512 --budget 64 --stream-tokens 10"
     PAGED_TIMEOUT=${PAGED_TIMEOUT:-1200}  # 16 requests on two slots take minutes on a CPU
-fi
-if ! python3 -c "import xgrammar" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
-        .device/wheels/*.whl || echo "no xgrammar: carry .device/wheels (see above)"
 fi
 part() {  # NAME TIMEOUT command...
     local name=$1 limit=$2
