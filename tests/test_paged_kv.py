@@ -3,12 +3,11 @@ requests and recomputes them, a shared prefix is found in the prefix cache, and 
 a token; a request that could never fit is refused; the pool is whole again afterwards."""
 
 import pytest
-import torch
-import torch.nn.functional as F
 from conftest import run_to_completion, tiny_engine, tiny_prompts
 
 from speculative.config import SamplingParams
 from speculative.request import RequestError
+from workers.cuda_graphs import StepGraphs, prefill_graphs
 
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 JOINS = [0, 0, 1, 3, 4, 9, 15]  # engine steps before each request joins
@@ -222,31 +221,26 @@ def test_scheduler_metrics_follow_the_pool(tiny_dir, prompts):
     assert "# TYPE eagleserve_kv_cache_usage_perc gauge" in text
 
 
-class PaddedPrefillGraphs:
-    """Stands in for the prefill graphs on CPU: pads a batch as a graph's bucket pads it (twice
-    the rows, with the dummy slot, length 1, start 0; tokens to the length bucket, with id 1) and
-    runs the function a graph captures, eagerly, reading the bucket's length of KV."""
+class EagerReplay:
+    """A CUDA graph's stand-in on CPU: replaying runs the function again on the static inputs and
+    copies its results into the static outputs."""
 
-    def __init__(self, runner):
-        self.fn, self.dummy_slot = runner._prefill_greedy, runner.kv.dummy_slot
-        self.lengths = [16 << i for i in range(8)]  # 16 .. 2048, as captured
-        self.starts: list[int] = []
+    def __init__(self, fn, inputs, outputs, length: int):
+        self.fn, self.inputs, self.outputs, self.length = fn, inputs, outputs, length
 
-    def bucket_length(self, length: int) -> int | None:
-        return next((n for n in self.lengths if n >= length), None)
+    def replay(self) -> None:
+        for static, new in zip(self.outputs, self.fn(*self.inputs, kv_len=self.length)):
+            static.copy_(new)
 
-    def fits(self, batch: int, length: int) -> bool:
-        return self.bucket_length(length) is not None
 
-    def __call__(self, slots, lens, starts, ids, kv_len: int):
-        self.starts += starts.tolist()
-        B, T = ids.shape
-        L = self.bucket_length(kv_len)
-        pad_rows = torch.full_like(slots, self.dummy_slot)
-        ids = F.pad(torch.cat([ids, torch.ones_like(ids)]), (0, L - T), value=1)
-        lens, starts = torch.cat([lens, torch.ones_like(lens)]), F.pad(starts, (0, B))
-        outputs = self.fn(torch.cat([slots, pad_rows]), lens, starts, ids, kv_len=L)
-        return tuple(o[:B] for o in outputs)
+class CpuStepGraphs(StepGraphs):
+    """StepGraphs whose capture keeps an EagerReplay: the real bucketing and padding, on CPU."""
+
+    def _capture(self, batch: int, length: int) -> None:
+        inputs = self.static_inputs(batch, length)
+        outputs = self.fn(*inputs, kv_len=length)
+        replay = EagerReplay(self.fn, inputs, outputs, length)
+        self.graphs[(batch, length)] = (inputs, outputs, replay)
 
 
 @pytest.mark.parametrize("speculative", [False, True])
@@ -256,7 +250,9 @@ def test_prefills_after_a_cached_prefix_in_the_graphed_function(
     """What the prefill graph runs, padded as it pads, from past a cached prefix: the tokens of
     plain decoding without the cache (tests/test_gpu.py replays the real graph)."""
     engine = tiny_engine(tiny_dir, tiny_drafter_dir if speculative else "none", k=3)
-    graphs = engine.executor.graphs.prefill = PaddedPrefillGraphs(engine.executor)
+    graphs = engine.executor.graphs.prefill = prefill_graphs(engine.executor, CpuStepGraphs)
+    graphs.capture_all()
     outputs = [run_to_completion(engine, [p], GREEDY)[0].output_ids for p in prompts]
     assert outputs == plain_ref
-    assert graphs.starts == [0] + [32] * (len(prompts) - 1)  # every prefill, past the prefix
+    assert graphs.replays == len(prompts)  # every prefill, all but the first past the prefix
+    assert engine.scheduler.kv.manager.stats.num_hit_tokens == 32 * (len(prompts) - 1)

@@ -67,9 +67,10 @@ class StepGraphs:
                 if self.max_tokens is None or batch * length <= self.max_tokens:
                     self._capture(batch, length)
 
-    def _capture(self, batch: int, length: int) -> None:
+    def static_inputs(self, batch: int, length: int) -> list[torch.Tensor]:
+        """A bucket's inputs, filled with their pad values: the slots, then each GraphInput."""
         inputs = [torch.full((batch,), self.dummy_slot, dtype=torch.long, device=self.device)]
-        inputs += [
+        return inputs + [
             torch.full(
                 (batch, length) if spec.per_token else (batch,),
                 spec.pad,
@@ -78,6 +79,9 @@ class StepGraphs:
             )
             for spec in self.inputs
         ]
+
+    def _capture(self, batch: int, length: int) -> None:
+        inputs = self.static_inputs(batch, length)
         side = self.side_stream or torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm up lazily initialised kernels outside the capture
@@ -136,6 +140,17 @@ class StepGraphSet:
         return [g for g in graphs if g is not None]
 
 
+def prefill_graphs(runner, graphs_class=StepGraphs) -> StepGraphs:
+    """The greedy prefill's graphs (to capture): per batch and prompt length bucket, up to
+    PREFILL_GRAPH_TOKENS tokens. Inputs: lens, starts (past a cached prefix), ids."""
+    max_tokens = min(PREFILL_GRAPH_TOKENS, runner.resources.features.shape[0])
+    lengths = [n for n in kv_buckets(runner.max_model_len, 16) if n <= max_tokens]
+    inputs = [GraphInput(torch.long, pad=1), GraphInput(torch.long)]
+    inputs.append(GraphInput(torch.long, per_token=True))
+    fn, slots, dummy = runner._prefill_greedy, runner.num_slots, runner.kv.dummy_slot
+    return graphs_class(fn, slots, lengths, dummy, inputs, runner.device, max_tokens)
+
+
 def capture_step_graphs(runner) -> StepGraphSet:
     """CUDA graphs for greedy prefill of up to PREFILL_GRAPH_TOKENS tokens (longer prefills
     amortise their launches), the greedy verify pass (plain decode when K=0), the target pass
@@ -149,15 +164,8 @@ def capture_step_graphs(runner) -> StepGraphSet:
     free_before = torch.cuda.mem_get_info()[0]
     slots, dummy, dev = runner.num_slots, runner.kv.dummy_slot, runner.device
     cache_len = runner.kv.cache_len
-    max_tokens = min(PREFILL_GRAPH_TOKENS, runner.resources.features.shape[0])
-    prompt_lengths = [n for n in kv_buckets(runner.max_model_len, 16) if n <= max_tokens]
-    # lens, starts (past a cached prefix), ids
-    prompt_inputs = [GraphInput(torch.long, pad=1), GraphInput(torch.long)]
-    prompt_inputs.append(GraphInput(torch.long, per_token=True))
     graphs = StepGraphSet()
-    graphs.prefill = StepGraphs(
-        runner._prefill_greedy, slots, prompt_lengths, dummy, prompt_inputs, dev, max_tokens
-    )
+    graphs.prefill = prefill_graphs(runner)
     verifier = runner.verifier
     verify = verifier.decode_step if verifier.whole_step else verifier.greedy
     graphs.verify = StepGraphs(verify, slots, kv_buckets(cache_len), dummy, [], dev)
