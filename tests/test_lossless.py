@@ -13,6 +13,7 @@ from conftest import (
     write_random_drafter,
     write_tiny_llama,
 )
+from cpu_graphs import CpuStepGraphs
 from scipy.stats import chi2
 
 from speculative.config import SamplingParams
@@ -20,6 +21,7 @@ from speculative.draft_tree import chain_path
 from speculative.plan import PrefillRow, StepPlan
 from speculative.sampling import prompt_logprobs
 from speculative.verify import verify_sampled
+from workers.cuda_graphs import step_graph_set
 from workers.model_runner import ModelRunner
 
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -438,23 +440,6 @@ def test_drafter_kv_cache_matches_fresh_prefill(
     assert [r.output_ids for r in requests] == plain_ref[:4]
 
 
-class EagerGraphs:
-    """Stands in for StepGraphs on CPU: runs the function a graph would capture, eagerly, on the
-    batch padded with the dummy slot to twice its rows as a graph's bucket pads it, and returns the
-    real rows."""
-
-    def __init__(self, fn, dummy_slot: int):
-        self.fn, self.dummy_slot, self.calls = fn, dummy_slot, 0
-
-    def fits(self, batch: int, length: int) -> bool:
-        return True
-
-    def __call__(self, slots, kv_len: int):
-        self.calls += 1
-        padded = torch.cat([slots, torch.full_like(slots, self.dummy_slot)])
-        return tuple(o[: slots.shape[0]] for o in self.fn(padded, kv_len=kv_len))
-
-
 @pytest.mark.parametrize("k, siblings", [(1, 0), (3, 0), (3, 2)])
 def test_whole_decode_step_function(tiny_dir, tiny_drafter_dir, prompts, plain_ref, k, siblings):
     """What `graph_first_draft` captures as one graph (verify, first draft, draft forwards 2..K),
@@ -469,14 +454,14 @@ def test_whole_decode_step_function(tiny_dir, tiny_drafter_dir, prompts, plain_r
         graph_first_draft=True,
         draft_siblings=siblings,
     )
-    engine.executor.graphs.verify = EagerGraphs(
-        engine.executor.verifier.decode_step, engine.executor.resources.dummy_slot
-    )
+    graphs = engine.executor.graphs.verify = step_graph_set(engine.executor, CpuStepGraphs).verify
+    graphs.capture_all()
     fresh = ModelRunner(engine.cfg)
     requests = run_with_oracle(
         engine, prompts[:4], plain_ref[:4], JOINS[:4], corrupt_p=0.3, check_against=fresh
     )
     assert [r.output_ids for r in requests] == plain_ref[:4]
+    assert graphs.replays > 10
 
 
 @pytest.mark.parametrize("siblings", [None, 0, 2])
@@ -504,12 +489,11 @@ def test_eager_verification_after_the_graphed_target_pass(
         engine = tiny_engine(tiny_dir, drafter, k=3, max_batch_size=4, draft_siblings=siblings or 0)
         runner = engine.executor
         if graphed:
-            runner.graphs.target_pass = EagerGraphs(
-                runner.verifier.target_pass, runner.resources.dummy_slot
-            )
+            runner.graphs.target_pass = step_graph_set(runner, CpuStepGraphs).target_pass
+            runner.graphs.target_pass.capture_all()
         outputs.append([r.output_ids for r in run_to_completion(engine, prompts, params, JOINS)])
     assert outputs[0] == outputs[1]
-    assert runner.graphs.target_pass.calls > 10
+    assert runner.graphs.target_pass.replays > 10
 
 
 # ---- greedy, real SmolLM2 ----

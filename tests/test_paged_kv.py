@@ -4,10 +4,11 @@ a token; a request that could never fit is refused; the pool is whole again afte
 
 import pytest
 from conftest import run_to_completion, tiny_engine, tiny_prompts
+from cpu_graphs import CpuStepGraphs
 
 from speculative.config import SamplingParams
 from speculative.request import RequestError
-from workers.cuda_graphs import StepGraphs, prefill_graphs
+from workers.cuda_graphs import prefill_graphs
 
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 JOINS = [0, 0, 1, 3, 4, 9, 15]  # engine steps before each request joins
@@ -219,28 +220,6 @@ def test_scheduler_metrics_follow_the_pool(tiny_dir, prompts):
     assert "# TYPE eagleserve_prefix_cache_hits_total counter" in text
     assert "eagleserve_prefix_cache_hits_total 32\n" in text
     assert "# TYPE eagleserve_kv_cache_usage_perc gauge" in text
-
-
-class EagerReplay:
-    """A CUDA graph's stand-in on CPU: replaying runs the function again on the static inputs and
-    copies its results into the static outputs."""
-
-    def __init__(self, fn, inputs, outputs, length: int):
-        self.fn, self.inputs, self.outputs, self.length = fn, inputs, outputs, length
-
-    def replay(self) -> None:
-        for static, new in zip(self.outputs, self.fn(*self.inputs, kv_len=self.length)):
-            static.copy_(new)
-
-
-class CpuStepGraphs(StepGraphs):
-    """StepGraphs whose capture keeps an EagerReplay: the real bucketing and padding, on CPU."""
-
-    def _capture(self, batch: int, length: int) -> None:
-        inputs = self.static_inputs(batch, length)
-        outputs = self.fn(*inputs, kv_len=length)
-        replay = EagerReplay(self.fn, inputs, outputs, length)
-        self.graphs[(batch, length)] = (inputs, outputs, replay)
 
 
 @pytest.mark.parametrize("speculative", [False, True])

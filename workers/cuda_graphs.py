@@ -151,6 +151,24 @@ def prefill_graphs(runner, graphs_class=StepGraphs) -> StepGraphs:
     return graphs_class(fn, slots, lengths, dummy, inputs, runner.device, max_tokens)
 
 
+def step_graph_set(runner, graphs_class=StepGraphs) -> StepGraphSet:
+    """The runner's graphs, to capture (graphs_class: tests run them eagerly on CPU)."""
+    slots, dummy, dev = runner.num_slots, runner.kv.dummy_slot, runner.device
+    lengths = kv_buckets(runner.kv.cache_len)
+    verifier = runner.verifier
+    verify = verifier.decode_step if verifier.whole_step else verifier.greedy
+    graphs = StepGraphSet(
+        prefill=prefill_graphs(runner, graphs_class),
+        verify=graphs_class(verify, slots, lengths, dummy, [], dev),
+        target_pass=graphs_class(verifier.target_pass, slots, lengths, dummy, [], dev),
+    )
+    if runner.drafter is not None and runner.K > 1:
+        chain_inputs = [GraphInput(torch.long), GraphInput(torch.long)]
+        draft_steps = runner.proposer.draft_steps
+        graphs.chain = graphs_class(draft_steps, slots, lengths, dummy, chain_inputs, dev)
+    return graphs
+
+
 def capture_step_graphs(runner) -> StepGraphSet:
     """CUDA graphs for greedy prefill of up to PREFILL_GRAPH_TOKENS tokens (longer prefills
     amortise their launches), the greedy verify pass (plain decode when K=0), the target pass
@@ -162,21 +180,7 @@ def capture_step_graphs(runner) -> StepGraphSet:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     free_before = torch.cuda.mem_get_info()[0]
-    slots, dummy, dev = runner.num_slots, runner.kv.dummy_slot, runner.device
-    cache_len = runner.kv.cache_len
-    graphs = StepGraphSet()
-    graphs.prefill = prefill_graphs(runner)
-    verifier = runner.verifier
-    verify = verifier.decode_step if verifier.whole_step else verifier.greedy
-    graphs.verify = StepGraphs(verify, slots, kv_buckets(cache_len), dummy, [], dev)
-    graphs.target_pass = StepGraphs(
-        verifier.target_pass, slots, kv_buckets(cache_len), dummy, [], dev
-    )
-    if runner.drafter is not None and runner.K > 1:
-        chain_inputs = [GraphInput(torch.long), GraphInput(torch.long)]
-        graphs.chain = StepGraphs(
-            runner.proposer.draft_steps, slots, kv_buckets(cache_len), dummy, chain_inputs, dev
-        )
+    graphs = step_graph_set(runner)
     _capture_in_one_pool(graphs.all())
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # what the warm-ups left cached: the graphs keep only their pool
