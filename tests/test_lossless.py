@@ -464,6 +464,23 @@ def test_whole_decode_step_function(tiny_dir, tiny_drafter_dir, prompts, plain_r
     assert graphs.replays > 10
 
 
+@pytest.mark.parametrize("k", [None, 1, 3])  # None: plain decoding
+def test_every_step_graph_replayed_on_cpu(tiny_dir, tiny_drafter_dir, prompts, plain_ref, k):
+    """The whole graph set a GPU engine captures (prefill, verify, draft chain), each replayed
+    by its real StepGraphs (bucketing, padding) running the function eagerly: plain decoding's
+    tokens with requests joining mid-flight."""
+    drafter = "none" if k is None else tiny_drafter_dir
+    engine = tiny_engine(tiny_dir, drafter, k=k or 3, max_batch_size=4)
+    runner = engine.executor
+    runner.graphs = step_graph_set(runner, CpuStepGraphs)
+    for graphs in runner.graphs.all():
+        graphs.capture_all()
+    requests = run_to_completion(engine, prompts, GREEDY, JOINS)
+    assert [r.output_ids for r in requests] == plain_ref
+    used = [runner.graphs.prefill, runner.graphs.verify] + [runner.graphs.chain] * ((k or 0) > 1)
+    assert all(graphs.replays > 0 for graphs in used)
+
+
 @pytest.mark.parametrize("siblings", [None, 0, 2])
 def test_eager_verification_after_the_graphed_target_pass(
     tiny_dir, tiny_drafter_dir, prompts, siblings
