@@ -5,6 +5,7 @@ or `python -m pytest tests/test_gpu.py`."""
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -307,14 +308,15 @@ if __name__ == "__main__":
     only = os.environ.get("EAGLESERVE_GPU_TESTS", "test_").split(",")  # name parts to run
     tests = [f for name, f in list(globals().items()) if any(part in name for part in only)]
     tests = [f for f in tests if f.__name__.startswith("test_")]
-    for test in tests:  # in the order they are defined
+    for test in tests:  # in the order they are defined; each result written as it comes
+        start = time.perf_counter()
         try:
             test()
             results[test.__name__] = "passed"
         except Exception as e:  # report every check, then fail
             results[test.__name__] = f"FAILED: {type(e).__name__}: {e}"
-    print(json.dumps(results, indent=1))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gpu_checks.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        print(f"{test.__name__}: {results[test.__name__]} ({time.perf_counter() - start:.0f} s)")
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "gpu_checks.json"), "w") as f:
+                json.dump(results, f, indent=1)
     raise SystemExit(0 if all(v == "passed" for v in results.values()) else 1)
