@@ -1,13 +1,12 @@
 """The FastAPI app the ingress's routes hang on (deployments/server.py), and what every request
 meets before its route's own work: OpenAI-style error bodies for every failure, a request id, a
-count per endpoint and status, the API key check and the body size limit. Its OpenAPI schema holds
-the request bodies, which the routes parse themselves."""
+count per endpoint and status, the API key check and the body size limit; and the OpenAPI schemas
+of the request bodies, which the routes parse themselves."""
 
 import hmac
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
@@ -39,19 +38,6 @@ def json_body(model: type[BaseModel]) -> dict:
     """A route's OpenAPI requestBody, for routes that parse their own body (`request_schemas`)."""
     schema = {"$ref": f"#/components/schemas/{model.__name__}"}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
-
-
-def _openapi() -> dict:
-    """FastAPI's schema plus the request bodies, which the routes parse themselves (the size limit
-    comes before reading, errors are OpenAI's): clients and fuzzers see the real request schemas."""
-    if api.openapi_schema is None:
-        schema = get_openapi(title=api.title, version=api.version, routes=api.routes)
-        schema.setdefault("components", {}).setdefault("schemas", {}).update(request_schemas())
-        api.openapi_schema = schema
-    return api.openapi_schema
-
-
-api.openapi = _openapi
 
 
 @api.exception_handler(APIError)

@@ -5,6 +5,7 @@ import asyncio
 import logging
 
 from fastapi import Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
@@ -15,7 +16,7 @@ from deployments.chat_output import output_maker
 from deployments.chat_template import ChatTemplate
 from deployments.choices import Choice, ChoiceRun, seeded_apart
 from deployments.config import ServeConfig
-from deployments.http_app import api, authorize, json_body, read_body
+from deployments.http_app import api, authorize, json_body, read_body, request_schemas
 from deployments.llm_server import LLMServer, llm_server_options
 from deployments.logprobs import LogprobFormatter
 from deployments.metrics import ingress_metrics
@@ -31,6 +32,21 @@ from deployments.replicas import labelled_lines, registry, summed
 from deployments.tools import constrained, forced_tool_call_schema, parser_for_template
 
 log = logging.getLogger("eagleserve.server")
+
+
+def _openapi() -> dict:
+    """FastAPI's schema plus the request bodies, which the routes parse themselves (the size limit
+    comes before reading, errors are OpenAI's): clients and fuzzers see the real request schemas.
+    Here, not in http_app.py: a replica finds this function by importing this module, which is what
+    puts the routes below on `api` in that process."""
+    if api.openapi_schema is None:
+        schema = get_openapi(title=api.title, version=api.version, routes=api.routes)
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(request_schemas())
+        api.openapi_schema = schema
+    return api.openapi_schema
+
+
+api.openapi = _openapi
 
 
 @serve.deployment
