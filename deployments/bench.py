@@ -1,17 +1,18 @@
 """`eagleserve bench`: offline throughput through the Ray path (one TP group + the coordinator),
 in the manner of trtllm-bench / vllm bench. Every combination of the given modes, K values, CUDA
 graphs on/off, overlap on/off and batch sizes runs on the same prompts; one engine per
-(speculation, K, graphs), reused across batch sizes and overlap settings."""
+(speculation, K, graphs), reused across batch sizes and overlap settings. The runs' table and plot:
+bench_report.py."""
 
 import itertools
 import queue
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
+from deployments.gpu_utilization import GpuUtilization
 from speculative.config import EngineConfig, SamplingParams
 from speculative.jsonl import read_rows
 
@@ -64,61 +65,6 @@ def _percentiles(values: list[float]) -> dict:
         "p90": float(np.percentile(a, 90)),
         "p99": float(np.percentile(a, 99)),
     }
-
-
-class GpuUtilization:
-    """NVML's GPU utilization (the share of time at least one kernel ran: nvidia-smi's GPU-Util),
-    polled in a thread while a level runs; the mean of the busiest GPU of this host. Unlike CUDA
-    events around each step, it counts the gaps inside a step as idle, so it stays valid with
-    overlap. None when off or without NVML (no GPU, no nvidia-ml-py)."""
-
-    def __init__(self, enabled: bool = True, interval_s: float = 0.05):
-        self.interval_s = interval_s
-        self.samples: list[list[int]] = []  # per poll, per GPU: percent
-        self._stop = threading.Event()
-        self._thread = None
-        self._nvml = None
-        if not enabled:
-            return
-        try:
-            try:
-                import pynvml
-            except ImportError:
-                from ray._private.thirdparty import pynvml  # Ray's own copy
-            pynvml.nvmlInit()
-            self._handles = [
-                pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())
-            ]
-            self._nvml = pynvml
-        except Exception:  # no pynvml, no driver, no GPU
-            pass
-
-    def _poll(self) -> None:
-        try:
-            while not self._stop.wait(self.interval_s):
-                self.samples.append(
-                    [self._nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self._handles]
-                )
-        except Exception:  # e.g. a GPU that reports no utilization: keep what was read
-            pass
-
-    def __enter__(self) -> "GpuUtilization":
-        if self._nvml is not None:
-            self._thread = threading.Thread(target=self._poll, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._nvml.nvmlShutdown()
-
-    @property
-    def busy_fraction(self) -> float | None:
-        if not self.samples:
-            return None
-        return max(sum(gpu) / len(gpu) for gpu in zip(*self.samples)) / 100
 
 
 def run_load(
@@ -286,63 +232,3 @@ def bench(
             coordinator.shutdown()
     bar.close()
     return runs
-
-
-TABLE = {  # column: width
-    "mode": 6, "K": 2, "M": 2, "graphs": 6, "ovl": 4, "batch": 5, "tok/s": 9, "req/s": 7,
-    "acc len": 7, "ttft p50": 9, "itl p50": 8, "gpu busy": 8, "nvml": 5, "extra": 6,
-}  # fmt: skip
-
-
-def print_table(runs: list[dict]) -> None:
-    def percent(x):
-        return f"{x:.0%}" if x is not None else "-"
-
-    def ms(x, digits):
-        return f"{x:.{digits}f}m" if x is not None else "-"
-
-    print(" ".join(f"{name:>{width}}" for name, width in TABLE.items()))
-    for r in runs:
-        cells = [
-            r["mode"], r["k"], r.get("siblings", 0), str(r["cuda_graphs"]), str(r["overlap"]),
-            r["batch"], f"{r['output_tokens_per_s']:.1f}", f"{r['requests_per_s']:.2f}",
-            f"{r['mean_acceptance_length']:.2f}", ms(r["ttft_ms"]["p50"], 1),
-            ms(r["itl_ms"]["p50"], 2), percent(r["gpu_busy_fraction"]),
-            percent(r["nvml_busy_fraction"]), f"{r['extra_pass_share']:.1%}",
-        ]  # fmt: skip
-        print(" ".join(f"{cell:>{width}}" for cell, width in zip(cells, TABLE.values())))
-
-
-def plot(runs: list[dict], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot")
-        return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    keys = sorted(
-        {(r["mode"], r["k"], r.get("siblings", 0), r["cuda_graphs"], r["overlap"]) for r in runs}
-    )
-    for mode, k, m, g, o in keys:
-        pts = sorted(
-            (r["batch"], r["output_tokens_per_s"])
-            for r in runs
-            if (r["mode"], r["k"], r.get("siblings", 0), r["cuda_graphs"], r["overlap"])
-            == (mode, k, m, g, o)
-        )
-        label = (
-            f"{mode}{f' K={k}' if k else ''}{f' M={m}' if m else ''}{' graphs' if g else ''}"
-            f"{' overlap' if o and mode == 'eagle' else ''}"
-        )
-        ax.plot(*zip(*pts), marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size (concurrent requests)")
-    ax.set_ylabel("output tokens/s")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True

@@ -6,7 +6,8 @@ from pathlib import Path
 
 from jinja2 import TemplateError
 
-from deployments.protocol import APIError, ChatMessage
+from deployments.api_errors import APIError
+from deployments.chat_messages import ChatMessage
 from deployments.tools import tool_prompt
 
 # apply_chat_template's own arguments: a template kwarg may not replace them

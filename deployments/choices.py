@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from ray.serve.exceptions import RequestCancelledError
 
-from deployments.protocol import APIError, usage
+from deployments.api_errors import APIError
+from deployments.protocol import usage
 from speculative.config import SamplingParams
 from speculative.request import RequestOutput
 

@@ -4,13 +4,16 @@
 import json
 import logging
 import os
-import socket
 import sys
 from pathlib import Path
 
 from pydantic import ValidationError
 
-from deployments.cli_args import ENGINE_FLAGS, build_parser
+from deployments.cli_args import build_parser
+from deployments.cli_bench import cmd_bench, cmd_loadtest
+from deployments.cli_serve import cmd_serve
+from deployments.engine_flags import ENGINE_FLAGS
+from deployments.local_ray import local_cpus, local_ray_env
 
 
 def _engine_config(args):
@@ -98,7 +101,7 @@ def run_to_completion(cfg, prompts: list[list[int]], params) -> list[dict]:
         ]
     address = os.environ.get("RAY_ADDRESS")
     if not address:
-        _local_ray_env()
+        local_ray_env()
     import ray
 
     from speculative.coordinator import CoordinatorActor
@@ -108,7 +111,7 @@ def run_to_completion(cfg, prompts: list[list[int]], params) -> list[dict]:
     check_tp_size(cfg)  # what fails here would fail in every worker, with Ray's tracebacks
     if cfg.drafter not in ("none", "default"):
         drafter_dir(cfg.drafter)
-    num_cpus = None if address or cfg.device == "cuda" else _local_cpus(cfg.tp)
+    num_cpus = None if address or cfg.device == "cuda" else local_cpus(cfg.tp)
     ray.init(
         address=address,
         num_cpus=num_cpus,
@@ -177,222 +180,6 @@ def cmd_train_drafter(args) -> None:
         fields["distill"] = {**fields.get("distill", {}), **distill}
     summary = train_drafter(TrainConfig(**fields), distill_only=args.distill_only)
     print(json.dumps(summary), file=sys.stderr)
-
-
-def _local_cpus(tp: int) -> int:
-    # a local CPU run may place more ranks than cores: ranks take one logical CPU each
-    return max(os.cpu_count() or 1, tp + 1)
-
-
-def _local_ray_env() -> None:
-    """A Ray started here listens on loopback only (Ray binds every interface unless told that
-    this host runs no cluster), with Ray's token authentication. Call before importing ray."""
-    if "ray" in sys.modules:  # too late: Ray read these at import, and half a change breaks auth
-        logging.getLogger(__name__).warning("ray was imported first: local Ray keeps its defaults")
-        return
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-
-
-def _check_port_free(host: str, port: int) -> None:
-    """One line naming the port, not Serve's proxy failing with a traceback a minute later."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Serve's proxy does
-        try:
-            probe.bind((host, port))
-        except OSError as e:
-            raise SystemExit(
-                f"error: cannot listen on {host}:{port} ({e.strerror}); "
-                "pick another with --port or stop what holds it"
-            ) from None
-
-
-def _serve_config(args):
-    from deployments.config import load_config
-
-    overrides = {f"engine.{k}": getattr(args, k) for k in ENGINE_FLAGS}
-    if args.no_overlap:
-        overrides["engine.overlap"] = False
-    cfg = load_config(
-        args.config,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        served_model_name=args.served_model_name,
-        max_waiting_requests=args.max_waiting_requests,
-        ray_address=args.address,
-        num_replicas=args.replicas,
-        chat_template=args.chat_template,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-        **overrides,
-    )
-    return cfg
-
-
-def cmd_serve(args) -> None:
-    import signal
-    import threading
-
-    cfg = _serve_config(args)
-    local = cfg.ray_address is None and not os.environ.get("RAY_ADDRESS")
-    if local:
-        _check_port_free(cfg.host, cfg.port)
-        _local_ray_env()  # before anything imports ray
-    import ray
-    from ray import serve
-
-    from deployments.server import build_app
-    from speculative.executor import check_tp_size
-
-    check_tp_size(cfg.engine)
-
-    ray.init(
-        address=cfg.ray_address,
-        num_cpus=_local_cpus(cfg.engine.tp * cfg.num_replicas) if local else None,
-        include_dashboard=False if local else None,
-        logging_level="WARNING",
-    )
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    if not args.verbose:  # the driver's Serve lines; we print our own (replicas' logs still show)
-        logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    try:
-        serve.start(http_options={"host": cfg.host, "port": cfg.port})
-        serve.run(build_app(cfg), name="eagleserve", route_prefix="/")
-        url = f"http://{cfg.host}:{cfg.port}/v1"
-        print(f"eagleserve: serving {cfg.model_name!r} at {url} (Ctrl-C stops)", flush=True)
-        stop.wait()
-        print("eagleserve: shutting down", flush=True)
-    finally:
-        # delete, not serve.shutdown(): the replicas stop gracefully either way, but shutdown()
-        # kills the controller while its own graceful_shutdown runs, and Ray logs that as a failure
-        serve.delete("eagleserve")
-        if local:
-            ray.shutdown()
-
-
-def cmd_bench(args) -> None:
-    address = os.environ.get("RAY_ADDRESS")
-    if not address:
-        _local_ray_env()
-    import ray
-
-    from deployments import bench
-
-    on = {"on": [True], "off": [False], "both": [True, False]}
-    try:
-        ks, batches = [int(k) for k in args.k.split(",")], [int(b) for b in args.batch.split(",")]
-        siblings = [int(m) for m in args.draft_siblings.split(",")]
-    except ValueError:
-        raise ValueError(
-            "-k, --batch and --draft-siblings take integers, comma-separated"
-        ) from None
-    modes = args.modes.split(",")
-    if min(ks) < 1 or min(batches) < 1 or min(siblings) < 0 or not set(modes) <= {"plain", "eagle"}:
-        raise ValueError(
-            "-k and --batch values must be >= 1, --draft-siblings >= 0, and --modes holds plain "
-            "and/or eagle"
-        )
-    prompts = bench.load_prompts(args.dataset, max(args.num_prompts, 1))
-    ray.init(
-        address=address,
-        num_cpus=None if args.device == "cuda" else _local_cpus(1),
-        include_dashboard=None if address else False,
-        logging_level="WARNING",
-        log_to_driver=False,
-    )
-    try:
-        runs = bench.bench(
-            args.model,
-            args.drafter,
-            ks,
-            modes,
-            on[args.cuda_graphs],
-            on[args.overlap],
-            batches,
-            prompts,
-            args.output_len,
-            args.ignore_eos,
-            args.device,
-            args.max_model_len,
-            args.num_prompts,
-            graph_first_draft=args.graph_first_draft,
-            prompt_lookup=args.prompt_lookup,
-            logprobs=args.logprobs,
-            siblings=siblings,
-            temperature=args.temperature,
-            kv_cache_memory_gb=args.kv_cache_memory_gb,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            enable_prefix_caching=args.enable_prefix_caching,
-        )
-    finally:
-        ray.shutdown()
-    bench.print_table(runs)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(
-        json.dumps({"model": args.model, "drafter": args.drafter, "runs": runs}, indent=1)
-    )
-    if bench.plot(runs, args.output.with_suffix(".png")):
-        print(f"plot: {args.output.with_suffix('.png')}")
-    print(f"results: {args.output}")
-
-
-def cmd_loadtest(args) -> None:
-    from deployments import bench, loadtest
-
-    url = loadtest.check_url(args.url, args.allow_remote)
-    if args.num_requests < 1 or args.duration <= 0 or args.timeout <= 0 or args.max_tokens < 1:
-        raise ValueError(
-            "--num-requests and --max-tokens must be >= 1, --duration and --timeout > 0"
-        )
-    try:
-        concurrency = [int(c) for c in args.concurrency.split(",")] if args.rate is None else None
-        rate = [float(r) for r in args.rate.split(",")] if args.rate is not None else None
-    except ValueError:
-        raise ValueError(
-            "--concurrency takes integers and --rate numbers, comma-separated"
-        ) from None
-    if any(v <= 0 for v in concurrency or rate):
-        raise ValueError("--concurrency and --rate values must be positive")
-    prompts = bench.load_prompts(args.dataset, args.num_requests)
-    runs = loadtest.loadtest(
-        url,
-        prompts,
-        concurrency=concurrency,
-        rate=rate,
-        num_requests=args.num_requests,
-        duration_s=args.duration,
-        model=args.model,
-        endpoint=args.endpoint,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        ignore_eos=args.ignore_eos,
-        timeout_s=args.timeout,
-        api_key=args.api_key or os.environ.get("EAGLESERVE_API_KEY"),
-        seed=args.seed,
-    )
-    loadtest.print_table(runs)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(
-        json.dumps(
-            {
-                "url": url,
-                "model": args.model,
-                "endpoint": args.endpoint,
-                "max_tokens": args.max_tokens,
-                "runs": runs,
-            },
-            indent=1,
-        )
-    )
-    if loadtest.plot(runs, args.output.with_suffix(".png")):
-        print(f"plot: {args.output.with_suffix('.png')}")
-    print(f"results: {args.output}")
-    if not any(r["num_ok"] for r in runs):
-        errors = sorted({kind for r in runs for kind in r["errors"]})
-        raise SystemExit(f"error: no request succeeded (errors: {', '.join(errors)})")
 
 
 COMMANDS = {

@@ -8,8 +8,8 @@ import os
 import ray
 from ray import serve
 
+from deployments.api_errors import APIError
 from deployments.config import ServeConfig
-from deployments.protocol import APIError
 from deployments.replicas import registry
 from speculative.config import SamplingParams
 from speculative.request import RequestError, RequestOutput

@@ -1,50 +1,44 @@
-"""The Ray Serve application: the OpenAI-compatible FastAPI ingress in front of the LLM server
-deployment (deployments/llm_server.py)."""
+"""The Ray Serve application: the OpenAI-compatible FastAPI ingress (its routes; the app they hang
+on is deployments/http_app.py) in front of the LLM server deployment (deployments/llm_server.py)."""
 
 import asyncio
-import hmac
 import logging
-import uuid
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.api_errors import APIError, parse_json_object, validation_error
 from deployments.bodies import ChatBodies, CompletionBodies
 from deployments.chat_output import output_maker
 from deployments.chat_template import ChatTemplate
 from deployments.choices import Choice, ChoiceRun, seeded_apart
 from deployments.config import ServeConfig
+from deployments.http_app import api, authorize, json_body, read_body, request_schemas
 from deployments.llm_server import LLMServer, llm_server_options
 from deployments.logprobs import LogprobFormatter
 from deployments.metrics import ingress_metrics
 from deployments.protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    json_body,
     now,
-    parse_json_object,
     refuse_unknown,
-    request_schemas,
-    validation_error,
 )
 from deployments.replicas import labelled_lines, registry, summed
 from deployments.tools import constrained, forced_tool_call_schema, parser_for_template
 
 log = logging.getLogger("eagleserve.server")
-api = FastAPI(title="eagleserve")
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
 
 def _openapi() -> dict:
     """FastAPI's schema plus the request bodies, which the routes parse themselves (the size limit
-    comes before reading, errors are OpenAI's): clients and fuzzers see the real request schemas."""
+    comes before reading, errors are OpenAI's): clients and fuzzers see the real request schemas.
+    Here, not in http_app.py: a replica finds this function by importing this module, which is what
+    puts the routes below on `api` in that process."""
     if api.openapi_schema is None:
         schema = get_openapi(title=api.title, version=api.version, routes=api.routes)
         schema.setdefault("components", {}).setdefault("schemas", {}).update(request_schemas())
@@ -53,30 +47,6 @@ def _openapi() -> dict:
 
 
 api.openapi = _openapi
-
-
-@api.exception_handler(APIError)
-async def _api_error(request: Request, e: APIError):
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-@api.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, e: StarletteHTTPException):
-    """An unknown path (404) or method (405): an OpenAI-style body too."""
-    return JSONResponse(
-        APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code, headers=e.headers
-    )
-
-
-@api.middleware("http")
-async def _request_id(request: Request, call_next):
-    # Serve's proxy takes x-request-id from the client (or makes one), passes it on and echoes it
-    # in the response; we reuse it so our log lines for the request carry it.
-    request.state.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-    response = await call_next(request)
-    if request.url.path in ENDPOINTS:  # every status, errors too (a stream's is 200 once it starts)
-        ingress_metrics().requests[(ENDPOINTS[request.url.path], response.status_code)] += 1
-    return response
 
 
 @serve.deployment
@@ -103,34 +73,9 @@ class OpenAIIngress:
         self.metrics = ingress_metrics()
         self.registry = registry(serve.get_replica_context().app_name)
 
-    def _authorize(self, request: Request) -> None:
-        key = self.cfg.resolved_api_key
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if key and not (
-            scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
-        ):
-            raise APIError(
-                401, "invalid or missing API key", "authentication_error", code="invalid_api_key"
-            )
-
-    async def _read_body(self, request: Request) -> bytes:
-        """The body, refused (413) by its declared length before reading, or once a chunked one
-        grows past the limit."""
-        limit = self.cfg.max_request_bytes
-        too_large = APIError(413, f"request body over {limit} bytes", code="request_too_large")
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise too_large
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
-        return bytes(body)
-
     async def _parse(self, request: Request, model_cls):
-        self._authorize(request)
-        data = parse_json_object(await self._read_body(request))
+        authorize(request, self.cfg.resolved_api_key)
+        data = parse_json_object(await read_body(request, self.cfg.max_request_bytes))
         try:
             req = model_cls.model_validate(data)
         except ValidationError as e:
@@ -301,12 +246,12 @@ class OpenAIIngress:
 
     @api.get("/v1/models")
     async def models(self, request: Request):
-        self._authorize(request)
+        authorize(request, self.cfg.resolved_api_key)
         return {"object": "list", "data": [self._model_card()]}
 
     @api.get("/v1/models/{model:path}")
     async def model(self, model: str, request: Request):
-        self._authorize(request)
+        authorize(request, self.cfg.resolved_api_key)
         if model != self.cfg.model_name:
             raise APIError(
                 404, f"model {model!r} does not exist", param="model", code="model_not_found"

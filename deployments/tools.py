@@ -6,7 +6,7 @@ import json
 import re
 import uuid
 
-from deployments.protocol import APIError
+from deployments.api_errors import APIError
 from speculative.grammar import tool_call_schema
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "json")

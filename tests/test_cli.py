@@ -196,7 +196,7 @@ def test_gpu_utilization_is_the_busiest_gpus_mean(monkeypatch):
     """The NVML poller averages each GPU's utilization over the polls, reports the busiest GPU."""
     import types
 
-    from deployments.bench import GpuUtilization
+    from deployments.gpu_utilization import GpuUtilization
 
     busy = {0: iter([10, 30] * 1000), 1: iter([50, 70] * 1000)}
     fake = types.SimpleNamespace(
@@ -282,8 +282,8 @@ def test_version_and_help_tell_defaults():
 
 def test_serve_flags_override_the_config_file(tmp_path):
     """serve's flags reach ServeConfig; a flag left unset keeps the --config file's value."""
-    from deployments.cli import _serve_config
     from deployments.cli_args import build_parser
+    from deployments.cli_serve import _serve_config
 
     config = tmp_path / "serve.yaml"
     config.write_text("max_waiting_requests: 5\nport: 9001\nengine: {max_batch_size: 3}\n")
@@ -301,8 +301,9 @@ def test_serve_flags_override_the_config_file(tmp_path):
 
 def test_prefix_caching_flag_reaches_every_command(tmp_path):
     """--no-enable-prefix-caching turns it off for generate, serve (over the file) and bench."""
-    from deployments.cli import _engine_config, _serve_config
+    from deployments.cli import _engine_config
     from deployments.cli_args import build_parser
+    from deployments.cli_serve import _serve_config
 
     parse = build_parser("eagleserve").parse_args
     generate = ["generate", "in.jsonl", "-o", "out.jsonl"]

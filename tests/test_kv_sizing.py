@@ -9,8 +9,9 @@ import pytest
 import torch
 from conftest import tiny_engine
 
-from deployments.cli import _engine_config, _serve_config
+from deployments.cli import _engine_config
 from deployments.cli_args import build_parser
+from deployments.cli_serve import _serve_config
 from speculative.block_manager import BlockManager
 from speculative.config import EngineConfig, SamplingParams
 from speculative.request_blocks import RequestBlocks

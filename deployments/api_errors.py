@@ -1,0 +1,106 @@
+"""OpenAI-style errors: the exception every refusal raises (status, message, param, code, as
+OpenAI's error body has them), and the 400s for a body that is no JSON object or fails validation,
+naming the field in the client's words."""
+
+import json
+import re
+
+from pydantic import ValidationError
+
+from speculative.config import MAX_STOP_STRINGS
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
+        self.headers = headers or {}
+
+    def __reduce__(self):  # crosses Ray's process boundary intact
+        return APIError, (self.status, self.message, self.type, self.param, self.code, self.headers)
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def parse_json_object(body: bytes) -> dict:
+    """A request body as a JSON object, or a 400 that says what is wrong with it."""
+    try:
+        data = json.loads(body)
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply", code="invalid_json") from None
+    except ValueError as e:  # not JSON, not UTF-8/16/32, or an integer over 4300 digits
+        raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    # a lone surrogate escape ("\ud800") decodes but is no text: tokenizer and replies fail on it
+    try:
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise APIError(
+            400,
+            "request body holds a lone surrogate escape (not valid Unicode text)",
+            code="invalid_json",
+        ) from None
+    return data
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|[A-Z]\w*)$|[\[\-]")
+
+
+def field_path(loc: tuple) -> str:
+    """A validation error's location as the request field, in the client's words: ("messages", 1,
+    "content", "str") is messages[1].content (pydantic's union members, "str", are left out)."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif _TYPE_TAG.search(part):
+            continue
+        elif part.isidentifier():
+            path += f".{part}" if path else part
+        else:
+            path += f"[{json.dumps(part)}]"
+    return path
+
+
+# what a field of several forms may be, for an error that fits none of them
+_FORMS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "content": "a string, a list of text parts or (assistant with tool_calls) null",
+    "stop": f"a string or a list of up to {MAX_STOP_STRINGS} strings",
+}
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """A 400 naming the first field that failed, in the client's words."""
+    errors = e.errors()
+    param = field_path(errors[0]["loc"]) or None
+    form = _FORMS.get(re.sub(r"\[.*", "", (param or "").rsplit(".", 1)[-1]))
+    union = any(isinstance(p, str) and _TYPE_TAG.search(p) for p in errors[0]["loc"])
+    message = f"must be {form}" if form and union else errors[0]["msg"]
+    message = message.removeprefix("Value error, ")
+    return APIError(
+        400, f"{param}: {message}" if param else message, param=param, code="invalid_value"
+    )

@@ -1,0 +1,84 @@
+"""The engine flags `eagleserve generate` and `serve` share: one per EngineConfig field named in
+ENGINE_FLAGS (plus --no-overlap), with EngineConfig's defaults."""
+
+import argparse
+
+ENGINE_FLAGS = (
+    "model",
+    "drafter",
+    "num_draft_tokens",
+    "max_batch_size",
+    "max_model_len",
+    "device",
+    "dtype",
+    "tp",
+    "prompt_lookup",
+    "draft_siblings",
+    "kv_cache_memory_gb",
+    "gpu_memory_utilization",
+    "enable_prefix_caching",
+)
+
+
+def engine_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
+    """Engine flags with EngineConfig's defaults. For serve they default to None, so that a flag
+    left unset keeps the --config file's value."""
+    from speculative.config import EngineConfig
+
+    def add(*names, shown=None, **kw):  # shown: how the help names a default of None
+        field = names[0].lstrip("-").replace("-", "_")
+        default = EngineConfig.model_fields[field].default
+        if serve:
+            kw["help"] += f" (default: {shown or default}, or the --config file's)"
+        elif shown:
+            kw["help"] += f" (default: {shown})"
+        p.add_argument(*names, default=None if serve else default, **kw)
+
+    add("--model", help="model name, HF directory or .gguf file")
+    add("--drafter", help="'default', 'none' or an EAGLE-3 drafter directory")
+    add("--num-draft-tokens", "-k", type=int, help="draft tokens per step (K)")
+    add("--max-batch-size", type=int, help="requests decoded together at most")
+    add(
+        "--max-model-len",
+        type=int,
+        help="prompt + output tokens per request at most",
+        shown="the model's max_position_embeddings",
+    )
+    add("--device", choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
+    add("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="weights' dtype")
+    add("--tp", type=int, help="tensor-parallel size (runs on Ray when > 1)")
+    add(
+        "--kv-cache-memory-gb",
+        type=float,
+        help="GiB of KV cache blocks per rank",
+        shown="on CUDA what --gpu-memory-utilization leaves; on CPU every request slot at "
+        "max-model-len, at most 1 GiB",
+    )
+    add(
+        "--gpu-memory-utilization",
+        type=float,
+        help="fraction of the GPU's memory the engine may use (weights, activations, CUDA graphs "
+        "and the KV cache), when --kv-cache-memory-gb is not set",
+    )
+    add(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        help="reuse the KV cache blocks of earlier requests' identical prefixes",
+    )
+    p.add_argument(
+        "--no-overlap", action="store_true", help="process each step's results before the next"
+    )
+    add(
+        "--prompt-lookup",
+        type=float,
+        metavar="P",
+        help="draft the token that followed the last five tokens earlier in the request where "
+        "the drafter's own draft has probability below P (0: off)",
+    )
+    add(
+        "--draft-siblings",
+        type=int,
+        metavar="M",
+        help="verify the drafter's next M choices at every draft depth too, in the same pass "
+        "(0: a chain)",
+    )
