@@ -255,6 +255,8 @@ def test_pool_sized_by_gpu_memory_utilization_stays_within_it():
     peak = torch.cuda.max_memory_reserved() - reserved_at_start + outside_torch
     pool = engine.executor.kv.nbytes
     budget = 0.5 * total
+    print(f"pool {pool / 2**30:.2f} GiB, engine {held / 2**30:.2f} GiB, its peak "
+          f"{peak / 2**30:.2f} GiB, budget {budget / 2**30:.2f} GiB")  # fmt: skip
     assert 0.3 * total < pool < held <= peak <= budget, (pool, held, peak, budget)
     del engine
     assert outputs == _generate(DRAFTER, graphs=True)
