@@ -1,13 +1,16 @@
 """The Triton paged-attention kernel on a GPU: compiled results against the reference path
-(blocks gathered, SDPA under the same mask), then its speed against that path at a
-Llama-3.1-8B layer's attention shape (32 query heads, 8 KV heads, head dim 128, bf16, blocks of
-16) for batch 1, 8, 32, contexts 1k, 8k, 32k, one query token a row (decode) and six (a K=5
-verify pass). Writes JSON under $OUT (or --output) and prints a table.
+(blocks gathered, SDPA under the same mask), with its default split of the keys and without,
+then its speed against the engine's gather path (read_kv, then cuDNN's GQA attention, as the
+engine's graphs run it) at a Llama-3.1-8B layer's attention shape (32 query heads, 8 KV heads,
+head dim 128, bf16, blocks of 16) for batch 1, 8, 32, contexts 1k, 8k, 32k, one query token a
+row (decode) and six (a K=5 verify pass), plus two 512-token prefill chunks. Both are timed in
+CUDA graphs of 20 calls. Writes JSON under $OUT (or --output) and prints a table.
 
     python3 benchmarks/paged_attention_gpu.py [--output DIR]
 """
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -15,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from speculative.draft_tree import tree_layout  # noqa: E402
@@ -56,42 +60,66 @@ def check_results() -> list[dict]:
     rows = []
     depth_sees = tree_layout(3, 1)
     cases = [(4, 2, 1, None), (9, 3, 4, None), (32, 8, 6, None), (8, 2, 7, depth_sees)]
+    cases.append((32, 8, 100, None))
     for dtype in (torch.float32, torch.bfloat16):
-        for heads, kv_heads, T, tree in cases:
+        for (heads, kv_heads, T, tree), splits in itertools.product(cases, (None, 1)):
             if tree is not None:
                 T = tree[0].shape[0]
-            q, pool, batch = make_batch(3, T, heads, kv_heads, 64, 300, dtype, tree)
-            error = (paged_attention(q, pool, batch) - reference(q, pool, batch)).abs().max()
+            q, pool, batch = make_batch(3, T, heads, kv_heads, 64, 3000, dtype, tree)
+            out = paged_attention(q, pool, batch, num_splits=splits)
+            error = (out - reference(q, pool, batch)).abs().max()
             rows.append({"dtype": str(dtype), "heads": heads, "kv_heads": kv_heads, "T": T,
-                         "tree": tree is not None, "max_abs_error": error.item()})  # fmt: skip
+                         "tree": tree is not None, "splits": splits or "default",
+                         "max_abs_error": error.item()})  # fmt: skip
     return rows
 
 
 def time_ms(fn, repeats=20) -> float:
-    fn()
+    """Per call, replaying a CUDA graph of `repeats` calls, as the engine runs its steps."""
+    fn()  # compiles the kernel
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
-    for _ in range(repeats):
-        fn()
+    graph.replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / repeats
 
 
+def gather_sdpa(q, pool, batch, bias):
+    """The engine's path without the kernel, a layer's share of it: gather the blocks, then
+    cuDNN's GQA attention (as the engine's graphs run it) under a mask built once a forward."""
+    kv = read_kv(pool, batch)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), kv[0], kv[1], attn_mask=bias, enable_gqa=True
+    )
+    return out.transpose(1, 2)
+
+
+SHAPES = [(B, context, T) for B in (1, 8, 32) for context in (1024, 8192, 32768) for T in (1, 6)]
+SHAPES += [(1, 4096, 512), (4, 8192, 512)]  # prefill chunks past a context
+
+
 def measure_speed() -> list[dict]:
     rows = []
-    for B in (1, 8, 32):
-        for context in (1024, 8192, 32768):
-            for T in (1, 6):
-                q, pool, batch = make_batch(B, T, 32, 8, 128, context, torch.bfloat16)
-                kernel = time_ms(lambda q=q, p=pool, b=batch: paged_attention(q, p, b))
-                gather = time_ms(lambda q=q, p=pool, b=batch: reference(q, p, b))
-                rows.append({"batch": B, "context": context, "tokens_per_row": T,
-                             "triton_ms": round(kernel, 4), "gather_sdpa_ms": round(gather, 4),
-                             "speedup": round(gather / kernel, 2)})  # fmt: skip
-                del q, pool, batch
-                torch.cuda.empty_cache()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    for B, context, T in tqdm(SHAPES, desc="shapes"):
+        q, pool, batch = make_batch(B, T, 32, 8, 128, context, torch.bfloat16)
+        bias = torch.zeros(hidden_keys(batch).shape, dtype=q.dtype, device=q.device)
+        bias = bias.masked_fill_(hidden_keys(batch), float("-inf")).unsqueeze(1)
+        kernel = time_ms(lambda q=q, p=pool, b=batch: paged_attention(q, p, b))
+        gather = time_ms(lambda q=q, p=pool, b=batch, m=bias: gather_sdpa(q, p, b, m))
+        rows.append({"batch": B, "context": context, "tokens_per_row": T,
+                     "triton_ms": round(kernel, 4), "gather_sdpa_ms": round(gather, 4),
+                     "speedup": round(gather / kernel, 2)})  # fmt: skip
+        del q, pool, batch, bias
+        torch.cuda.empty_cache()
     return rows
 
 

@@ -29,10 +29,9 @@ def reference(q: torch.Tensor, pool: torch.Tensor, batch: ForwardBatch) -> torch
     return out.transpose(1, 2)
 
 
-def random_batch(g, B, T, heads, kv_heads, D, block_size, tree=None):
+def random_batch(g, B, T, heads, kv_heads, D, block_size, tree=None, max_blocks=6):
     """Rows at random lengths over randomly scattered blocks of a shared pool; T query tokens
     a row, at the row's last T positions (causal within the row)."""
-    max_blocks = 6
     num_blocks = B * max_blocks + 3
     pool = torch.randn(2, num_blocks + 1, block_size, kv_heads, D, generator=g)
     table = torch.randperm(num_blocks, generator=g)[: B * max_blocks].view(B, max_blocks)
@@ -66,6 +65,26 @@ def test_draft_tree_matches_the_reference(K, M, heads, kv_heads):
     T = depth.shape[0]
     g = torch.Generator().manual_seed(K * 10 + M)
     q, pool, batch = random_batch(g, 4, T, heads, kv_heads, 16, 16, tree=(depth, sees))
+    torch.testing.assert_close(paged_attention(q, pool, batch), reference(q, pool, batch))
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+@pytest.mark.parametrize("T, tree", [(1, None), (6, None), (7, (3, 1))])  # (3, 1): 7 nodes
+def test_keys_split_across_programs_match_the_reference(num_splits, T, tree):
+    """Flash-decoding: a row's keys in up to num_splits parts (some empty for short rows),
+    combined by the second kernel."""
+    g = torch.Generator().manual_seed(num_splits * 10 + T)
+    layout = None if tree is None else tree_layout(*tree)
+    assert layout is None or layout[0].shape[0] == T
+    q, pool, batch = random_batch(g, 3, T, 8, 2, 32, 16, tree=layout, max_blocks=24)
+    out = paged_attention(q, pool, batch, num_splits=num_splits)
+    torch.testing.assert_close(out, reference(q, pool, batch))
+
+
+def test_long_prefill_chunk_spans_several_query_tiles():
+    """A prefill chunk of 40 tokens x a GQA group of 4: 160 query rows, three tiles of 64."""
+    g = torch.Generator().manual_seed(11)
+    q, pool, batch = random_batch(g, 2, 40, 8, 2, 16, 16, max_blocks=8)
     torch.testing.assert_close(paged_attention(q, pool, batch), reference(q, pool, batch))
 
 

@@ -1,12 +1,19 @@
-"""Attention straight over the paged KV pool, in Triton: each program takes one query token of
-one row and one KV head with the query heads of its GQA group, walks the row's block table and
-keeps an online softmax, so no dense copy of a request's K/V is gathered (the reference path in
-workers/attention.py gathers the blocks and runs SDPA; tests compare the two under
-TRITON_INTERPRET=1).
+"""Attention straight over the paged KV pool, in Triton, with no dense copy of a request's K/V
+(the reference path in workers/attention.py gathers the blocks and runs SDPA; tests compare the
+two under TRITON_INTERPRET=1).
+
+A program takes one row, one KV head and a tile of query rows: the (token, query head) pairs of
+that head's GQA group, so each K/V tile it reads serves the whole group, and both products are
+tensor-core dots. It walks the row's keys a tile of BLOCK_N at a time, each key's block looked
+up in the block table, with an online softmax. Where rows x KV heads leave the GPU's SMs idle
+(small batches, long contexts), the keys are split across programs (flash-decoding) and a
+second kernel combines the splits' partial softmaxes.
 
 Masks, as the reference's: a chain token at position p sees keys 0..p (causal within the row,
 whatever the number of query tokens); a draft-tree node t sees the keys before the row's root
 (write_positions[:, 0]) and the nodes tree[t] marks."""
+
+import functools
 
 import torch
 import triton
@@ -14,81 +21,172 @@ import triton.language as tl
 
 from workers.kv_cache import ForwardBatch
 
+BLOCK_N = 64  # keys per tile
+MIN_SPLIT_KEYS = 256  # fewer keys than this per program is not worth a split
+
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, pos_ptr, root_ptr, tree_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, table_ptr, pos_ptr, root_ptr, tree_ptr,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_ob, stride_ot, stride_oh,
-    stride_table, num_table_blocks, T, scale,
-    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
-    BS: tl.constexpr, HAS_TREE: tl.constexpr,
+    stride_table, num_table_blocks, num_kv_heads, T, split_len, num_rows, scale,
+    GROUP: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, BS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_TREE: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    b, t, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    g, d, s = tl.arange(0, GROUP_P2), tl.arange(0, D_P2), tl.arange(0, BS)
-    g_ok, d_ok = g < GROUP, d < D
-    heads = kv_head * GROUP + g
-    q_at = q_ptr + b * stride_qb + t * stride_qt + heads[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_at, mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [G, D]
-    pos = tl.load(pos_ptr + b * T + t)
-    root = 0
+    bh, m_tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, kv_head = bh // num_kv_heads, bh % num_kv_heads
+    r = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows: (token, head of the group)
+    t, head = r // GROUP, kv_head * GROUP + r % GROUP
+    d = tl.arange(0, D_P2)
+    row_ok, d_ok = t < T, d < D
+    q_at = q_ptr + b * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_at, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
+    pos = tl.load(pos_ptr + b * T + t, mask=row_ok, other=-1)
     if HAS_TREE:
         root = tl.load(root_ptr + b)
         end = root + T
     else:
-        end = pos + 1
-    num_blocks = tl.minimum(tl.cdiv(end, BS), num_table_blocks)
-    m = tl.full([GROUP_P2], -1e30, tl.float32)  # running max
-    total = tl.zeros([GROUP_P2], tl.float32)  # running sum of exp
-    acc = tl.zeros([GROUP_P2, D_P2], tl.float32)
-    for i in range(0, num_blocks):
-        block = tl.load(table_ptr + b * stride_table + i)
-        kv_at = block * stride_kb + s[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
-        k = tl.load(k_ptr + kv_at, mask=d_ok[None, :], other=0.0).to(tl.float32)  # [BS, D]
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, BS]
-        key = i * BS + s
+        end = tl.max(pos) + 1
+    end = tl.minimum(end, num_table_blocks * BS)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, end)
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # running max
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp
+    acc = tl.zeros([BLOCK_M, D_P2], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        block = tl.load(table_ptr + b * stride_table + n // BS, mask=n_ok, other=0)
+        kv_at = block[:, None] * stride_kb + (n % BS)[:, None] * stride_ks + d[None, :]
+        kv_at += kv_head * stride_kh
+        kv_ok = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + kv_at, mask=kv_ok, other=0.0)  # [N, D]
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N]
         if HAS_TREE:
-            node = key - root
+            node = n - root
             in_tree = (node >= 0) & (node < T)
-            sees = tl.load(tree_ptr + t * T + node, mask=in_tree, other=0) != 0
-            visible = (node < 0) | sees
+            seen = row_ok[:, None] & (in_tree & n_ok)[None, :]
+            sees = tl.load(tree_ptr + t[:, None] * T + node[None, :], mask=seen, other=0) != 0
+            visible = ((node < 0)[None, :] | sees) & n_ok[None, :]
         else:
-            visible = key <= pos
-        scores = tl.where(visible[None, :], scores, -1e30)
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        p = tl.where(visible[None, :], tl.exp(scores - m_new[:, None]), 0.0)
-        alpha = tl.exp(m - m_new)
-        v = tl.load(v_ptr + kv_at, mask=d_ok[None, :], other=0.0).to(tl.float32)  # [BS, D]
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        total = total * alpha + tl.sum(p, axis=1)
-        m = m_new
-    out = acc / total[:, None]
-    out_at = out_ptr + b * stride_ob + t * stride_ot + heads[:, None] * stride_oh + d[None, :]
-    tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+            visible = (n[None, :] <= pos[:, None]) & n_ok[None, :]
+        scores = tl.where(visible, scores, -1e30)
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.where(visible, tl.exp(scores - m_new[:, None]), 0.0)
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(v_ptr + kv_at, mask=kv_ok, other=0.0)  # [N, D]
+        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    if SPLIT:  # this split's unnormalised partial, for _combine_splits_kernel
+        at = (bh * tl.num_programs(2) + split) * num_rows + r
+        tl.store(m_ptr + at, m_i)
+        tl.store(l_ptr + at, l_i)
+        tl.store(out_ptr + at[:, None] * D_P2 + d[None, :], acc)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_at = b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        out_mask = row_ok[:, None] & d_ok[None, :]
+        tl.store(out_ptr + o_at, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def paged_attention(q: torch.Tensor, pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+@triton.jit
+def _combine_splits_kernel(
+    acc_ptr, m_ptr, l_ptr, out_ptr,
+    stride_ob, stride_ot, stride_oh,
+    num_kv_heads, T, num_splits, num_rows,
+    GROUP: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    bh, m_tile = tl.program_id(0), tl.program_id(1)
+    b, kv_head = bh // num_kv_heads, bh % num_kv_heads
+    r = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    t, head = r // GROUP, kv_head * GROUP + r % GROUP
+    d = tl.arange(0, D_P2)
+    m_run = tl.full([BLOCK_M], -1e30, tl.float32)
+    l_run = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_P2], tl.float32)
+    for split in range(num_splits):
+        at = (bh * num_splits + split) * num_rows + r
+        m_s, l_s = tl.load(m_ptr + at), tl.load(l_ptr + at)
+        m_new = tl.maximum(m_run, m_s)
+        alpha, beta = tl.exp(m_run - m_new), tl.exp(m_s - m_new)
+        acc_s = tl.load(acc_ptr + at[:, None] * D_P2 + d[None, :])
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        l_run = l_run * alpha + l_s * beta
+        m_run = m_new
+    out = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
+    o_at = b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    out_mask = (t < T)[:, None] & (d < D)[None, :]
+    tl.store(out_ptr + o_at, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_splits(programs: int, kv_len: int, device: torch.device) -> int:
+    """Enough splits of the keys for about two programs per SM, each of at least
+    MIN_SPLIT_KEYS keys; one where the rows and heads fill the GPU already (and on CPU)."""
+    if device.type != "cuda":
+        return 1
+    wanted = triton.cdiv(2 * _num_sms(device), programs)
+    return max(1, min(wanted, kv_len // MIN_SPLIT_KEYS))
+
+
+def paged_attention(
+    q: torch.Tensor, pool: torch.Tensor, batch: ForwardBatch, num_splits: int | None = None
+) -> torch.Tensor:
     """q [B, T, H, D] (rotated), one layer's pool [2, blocks + 1, block_size, kv_heads, D]
-    -> the attention output [B, T, H, D], under the batch's chain or tree mask."""
+    -> the attention output [B, T, H, D], under the batch's chain or tree mask. num_splits:
+    how many programs share a row's keys (default: default_splits)."""
     B, T, H, D = q.shape
     k_pool, v_pool = pool[0], pool[1]
     kv_heads, block_size = k_pool.shape[2], k_pool.shape[1]
     assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1 and q.stride(-1) == 1
+    group = H // kv_heads
+    rows = T * group
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    m_tiles = triton.cdiv(rows, block_m)
+    d_p2 = max(16, triton.next_power_of_2(D))
+    if num_splits is None:
+        num_splits = default_splits(B * kv_heads * m_tiles, batch.kv_len, q.device)
+    split_len = triton.cdiv(triton.cdiv(batch.kv_len, num_splits), BLOCK_N) * BLOCK_N
+    num_splits = triton.cdiv(batch.kv_len, split_len)
     out = torch.empty_like(q)
     positions = batch.positions.contiguous()
     table = batch.block_table.contiguous()
     has_tree = batch.tree is not None
     root = batch.write_positions[:, 0].contiguous() if has_tree else positions
     tree = batch.tree.to(torch.int8).contiguous() if has_tree else positions
-    group = H // kv_heads
-    _paged_attention_kernel[(B, T, kv_heads)](
-        q, k_pool, v_pool, out, table, positions, root, tree,
+    split = num_splits > 1
+    num_rows = m_tiles * block_m
+    partial = out
+    m_part = l_part = positions  # unused without splits
+    if split:
+        parts = (B * kv_heads, num_splits, num_rows)
+        partial = torch.empty(*parts, d_p2, dtype=torch.float32, device=q.device)
+        m_part = torch.empty(parts, dtype=torch.float32, device=q.device)
+        l_part = torch.empty(parts, dtype=torch.float32, device=q.device)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32: unused for bf16/fp16
+    _paged_attention_kernel[(B * kv_heads, m_tiles, num_splits)](
+        q, k_pool, v_pool, partial, m_part, l_part, table, positions, root, tree,
         q.stride(0), q.stride(1), q.stride(2),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        table.stride(0), table.shape[1], T, D**-0.5,
-        GROUP=group, GROUP_P2=triton.next_power_of_2(group), D=D,
-        D_P2=triton.next_power_of_2(D), BS=block_size, HAS_TREE=has_tree,
+        table.stride(0), table.shape[1], kv_heads, T, split_len, num_rows, D**-0.5,
+        GROUP=group, D=D, D_P2=d_p2, BS=block_size, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        HAS_TREE=has_tree, SPLIT=split, PRECISION=precision,
     )  # fmt: skip
+    if split:
+        _combine_splits_kernel[(B * kv_heads, m_tiles)](
+            partial, m_part, l_part, out,
+            out.stride(0), out.stride(1), out.stride(2),
+            kv_heads, T, num_splits, num_rows,
+            GROUP=group, D=D, D_P2=d_p2, BLOCK_M=block_m,
+        )  # fmt: skip
     return out
