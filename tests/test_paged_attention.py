@@ -13,6 +13,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's decorators run
 pytest.importorskip("triton")
 DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
 
+from conftest import run_to_completion, tiny_engine, tiny_prompts  # noqa: E402
+
+import workers.attention  # noqa: E402
+import workers.paged_attention  # noqa: E402
+from speculative.config import SamplingParams  # noqa: E402
 from speculative.draft_tree import tree_layout  # noqa: E402
 from workers.attention import hidden_keys  # noqa: E402
 from workers.kv_cache import ForwardBatch, read_kv  # noqa: E402
@@ -103,3 +108,33 @@ def test_rows_read_only_their_own_blocks():
     unused[batch.block_table.flatten()] = False
     pool[:, unused] = float("nan")
     torch.testing.assert_close(paged_attention(q, pool, batch), before)
+
+
+@pytest.mark.parametrize("drafter, tree", [(False, False), (True, False), (True, True)])
+def test_engine_with_the_kernel_gives_the_reference_paths_tokens(
+    tiny_dir, tiny_drafter_dir, monkeypatch, drafter, tree
+):
+    """The engine with every attention (target and drafter; prefill chunks, verify, draft
+    chain or tree) run by the kernel: the tokens of the gather-and-SDPA path, with requests
+    joining mid-flight, a shared prefix from the prefix cache and prompts in chunks."""
+    shared = tiny_prompts(1, seed=5, min_len=40, max_len=40)[0]
+    prompts = [shared + p for p in tiny_prompts(4, seed=6)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    options = dict(k=3, max_num_batched_tokens=64, draft_siblings=2 if tree else 0)
+    drafter_dir = tiny_drafter_dir if drafter else "none"
+    calls = []
+
+    def counted(*args):
+        calls.append(args[2].tree is not None)
+        return paged_attention(*args)
+
+    monkeypatch.setattr(workers.paged_attention, "paged_attention", counted)
+    outputs = []
+    for kernel in (False, True):
+        monkeypatch.setattr(workers.attention, "use_paged_kernel", lambda device, use=kernel: use)
+        engine = tiny_engine(tiny_dir, drafter_dir, **options)
+        requests = run_to_completion(engine, prompts, params, [0, 0, 2, 5])
+        outputs.append([r.output_ids for r in requests])
+    assert outputs[0] == outputs[1]
+    assert engine.scheduler.kv.manager.stats.num_hit_tokens >= 32
+    assert len(calls) > 100 and any(calls) == tree
