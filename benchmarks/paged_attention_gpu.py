@@ -106,8 +106,8 @@ SHAPES = [(B, context, T) for B in (1, 8, 32) for context in (1024, 8192, 32768)
 SHAPES += [(1, 4096, 512), (4, 8192, 512)]  # prefill chunks past a context
 
 
-def measure_speed() -> list[dict]:
-    rows = []
+def measure_speed(rows: list[dict], save) -> None:
+    """Appends a row per shape to `rows`, calling save() after each."""
     torch.backends.cuda.enable_cudnn_sdp(True)
     for B, context, T in tqdm(SHAPES, desc="shapes"):
         q, pool, batch = make_batch(B, T, 32, 8, 128, context, torch.bfloat16)
@@ -118,23 +118,23 @@ def measure_speed() -> list[dict]:
         rows.append({"batch": B, "context": context, "tokens_per_row": T,
                      "triton_ms": round(kernel, 4), "gather_sdpa_ms": round(gather, 4),
                      "speedup": round(gather / kernel, 2)})  # fmt: skip
+        save()
         del q, pool, batch, bias
         torch.cuda.empty_cache()
-    return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = p.parse_args()
-    result = {"device": torch.cuda.get_device_name(), "results": check_results()}
+    result = {"device": torch.cuda.get_device_name(), "results": check_results(), "speed": []}
     print(json.dumps(result["results"], indent=1))
-    result["speed"] = measure_speed()
+    path = args.output / "paged_attention_gpu.json"
+    measure_speed(result["speed"], lambda: path.write_text(json.dumps(result, indent=2)))
     print(f"{'batch':>5} {'context':>7} {'T':>2} {'triton ms':>10} {'gather ms':>10} {'x':>6}")
     for r in result["speed"]:
         print(f"{r['batch']:>5} {r['context']:>7} {r['tokens_per_row']:>2} {r['triton_ms']:>10} "
               f"{r['gather_sdpa_ms']:>10} {r['speedup']:>6}")  # fmt: skip
-    (args.output / "paged_attention_gpu.json").write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
