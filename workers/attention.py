@@ -43,9 +43,8 @@ class AttentionInputs:
 @functools.cache
 def use_paged_kernel(device: torch.device) -> bool:
     """The Triton kernel over the block table (workers/paged_attention.py), on CUDA with
-    EAGLESERVE_PAGED_ATTENTION=1 (opt-in until a GPU run has checked it in the engine: it is
-    checked against the reference under Triton's interpreter only); otherwise the reference:
-    gather the blocks, then SDPA."""
+    EAGLESERVE_PAGED_ATTENTION=1 (opt-in until a GPU run measures it against the gather:
+    benchmarks/kernel_gpu_job.sh); otherwise the reference: gather the blocks, then SDPA."""
     if device.type != "cuda" or os.environ.get("EAGLESERVE_PAGED_ATTENTION") != "1":
         return False
     try:
