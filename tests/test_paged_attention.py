@@ -14,8 +14,10 @@ pytest.importorskip("triton")
 DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
 
 from conftest import run_to_completion, tiny_engine, tiny_prompts  # noqa: E402
+from cpu_graphs import CpuStepGraphs  # noqa: E402
 
 import workers.attention  # noqa: E402
+import workers.cuda_graphs  # noqa: E402
 import workers.paged_attention  # noqa: E402
 from speculative.config import SamplingParams  # noqa: E402
 from speculative.draft_tree import tree_layout  # noqa: E402
@@ -138,3 +140,26 @@ def test_engine_with_the_kernel_gives_the_reference_paths_tokens(
     assert outputs[0] == outputs[1]
     assert engine.scheduler.kv.manager.stats.num_hit_tokens >= 32
     assert len(calls) > 100 and any(calls) == tree
+
+
+def test_graphs_bucket_by_batch_only_with_the_kernel(tiny_dir, tiny_drafter_dir, monkeypatch):
+    """With the kernel, a step's graphs are captured once per batch size at the cache's whole
+    length (the kernel reads each row's own keys): replayed (eagerly on CPU, by the real
+    StepGraphs), they give the gather path's tokens."""
+    import workers.cuda_graphs
+
+    prompts = tiny_prompts(4, seed=8)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3)
+    reference_ids = [r.output_ids for r in run_to_completion(engine, prompts, params, [0, 1, 1, 4])]
+    for module in (workers.attention, workers.cuda_graphs):
+        monkeypatch.setattr(module, "use_paged_kernel", lambda device: True)
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3)
+    runner = engine.executor
+    runner.graphs = workers.cuda_graphs.step_graph_set(runner, CpuStepGraphs)
+    for graphs in (runner.graphs.verify, runner.graphs.chain):
+        assert graphs.lengths == [runner.kv.cache_len]
+        graphs.capture_all()
+    requests = run_to_completion(engine, prompts, params, [0, 1, 1, 4])
+    assert [r.output_ids for r in requests] == reference_ids
+    assert runner.graphs.verify.replays > 5 and runner.graphs.chain.replays > 5

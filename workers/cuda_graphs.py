@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.attention import use_paged_kernel
+
 log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
@@ -154,7 +156,10 @@ def prefill_graphs(runner, graphs_class=StepGraphs) -> StepGraphs:
 def step_graph_set(runner, graphs_class=StepGraphs) -> StepGraphSet:
     """The runner's graphs, to capture (graphs_class: tests run them eagerly on CPU)."""
     slots, dummy, dev = runner.num_slots, runner.kv.dummy_slot, runner.device
-    lengths = kv_buckets(runner.kv.cache_len)
+    # the gather reads kv_len keys a row, so graphs bucket by it too; the paged kernel reads
+    # each row's own keys, so one length serves every step: buckets by batch size only
+    cache_len = runner.kv.cache_len
+    lengths = [cache_len] if use_paged_kernel(dev) else kv_buckets(cache_len)
     verifier = runner.verifier
     verify = verifier.decode_step if verifier.whole_step else verifier.greedy
     graphs = StepGraphSet(

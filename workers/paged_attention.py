@@ -22,7 +22,7 @@ import triton.language as tl
 from workers.kv_cache import ForwardBatch
 
 BLOCK_N = 64  # keys per tile
-MIN_SPLIT_KEYS = 256  # fewer keys than this per program is not worth a split
+MIN_SPLIT_KEYS = 128  # a split reads at least this many keys (a multiple of BLOCK_N)
 
 
 @triton.jit
@@ -31,10 +31,10 @@ def _paged_attention_kernel(
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_ob, stride_ot, stride_oh,
-    stride_table, num_table_blocks, num_kv_heads, T, split_len, num_rows, scale,
+    stride_table, num_table_blocks, num_kv_heads, T, num_rows, scale,
     GROUP: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, BS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_TREE: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
+    HAS_TREE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     bh, m_tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, kv_head = bh // num_kv_heads, bh % num_kv_heads
@@ -51,6 +51,10 @@ def _paged_attention_kernel(
     else:
         end = tl.max(pos) + 1
     end = tl.minimum(end, num_table_blocks * BS)
+    # each row splits its own keys: a graph captured at the longest kv_len still spreads a short
+    # row over its splits
+    split_len = tl.cdiv(tl.cdiv(end, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    split_len = tl.maximum(split_len, MIN_SPLIT)
     lo = split * split_len
     hi = tl.minimum(lo + split_len, end)
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # running max
@@ -131,7 +135,8 @@ def _num_sms(device: torch.device) -> int:
 
 def default_splits(programs: int, kv_len: int, device: torch.device) -> int:
     """Enough splits of the keys for about two programs per SM, each of at least
-    MIN_SPLIT_KEYS keys; one where the rows and heads fill the GPU already (and on CPU)."""
+    MIN_SPLIT_KEYS of kv_len keys; one where the rows and heads fill the GPU already (and on
+    CPU). A row shorter than kv_len spreads over its splits as far as MIN_SPLIT_KEYS allows."""
     if device.type != "cuda":
         return 1
     wanted = triton.cdiv(2 * _num_sms(device), programs)
@@ -155,8 +160,6 @@ def paged_attention(
     d_p2 = max(16, triton.next_power_of_2(D))
     if num_splits is None:
         num_splits = default_splits(B * kv_heads * m_tiles, batch.kv_len, q.device)
-    split_len = triton.cdiv(triton.cdiv(batch.kv_len, num_splits), BLOCK_N) * BLOCK_N
-    num_splits = triton.cdiv(batch.kv_len, split_len)
     out = torch.empty_like(q)
     positions = batch.positions.contiguous()
     table = batch.block_table.contiguous()
@@ -178,9 +181,9 @@ def paged_attention(
         q.stride(0), q.stride(1), q.stride(2),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        table.stride(0), table.shape[1], kv_heads, T, split_len, num_rows, D**-0.5,
+        table.stride(0), table.shape[1], kv_heads, T, num_rows, D**-0.5,
         GROUP=group, D=D, D_P2=d_p2, BS=block_size, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        HAS_TREE=has_tree, SPLIT=split, PRECISION=precision,
+        MIN_SPLIT=MIN_SPLIT_KEYS, HAS_TREE=has_tree, SPLIT=split, PRECISION=precision,
     )  # fmt: skip
     if split:
         _combine_splits_kernel[(B * kv_heads, m_tiles)](
