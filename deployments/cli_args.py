@@ -119,6 +119,14 @@ def _bench_parser(sub) -> None:
     b.add_argument(
         "--num-prompts", type=int, default=32, help="prompts per run (at least 2 x batch are used)"
     )
+    _bench_sweep_args(b)
+    _bench_request_args(b)
+    _bench_engine_args(b)
+    b.add_argument("-o", "--output", type=Path, default=Path("benchmarks/bench.json"), help="JSON")
+
+
+def _bench_sweep_args(b: argparse.ArgumentParser) -> None:
+    """What `eagleserve bench` runs every combination of."""
     b.add_argument("--batch", default="1,8", help="comma-separated concurrency levels")
     b.add_argument("--modes", default="plain,eagle", help="plain and/or eagle")
     b.add_argument("-k", default="5", help="comma-separated draft lengths")
@@ -143,6 +151,10 @@ def _bench_parser(sub) -> None:
         metavar="M",
         help="comma-separated siblings per draft depth for the EAGLE-3 runs (0: a chain)",
     )
+
+
+def _bench_request_args(b: argparse.ArgumentParser) -> None:
+    """The sampling and output length of every request `eagleserve bench` sends."""
     b.add_argument(
         "--temperature",
         type=float,
@@ -160,6 +172,10 @@ def _bench_parser(sub) -> None:
     )
     b.add_argument("--output-len", type=int, default=256, help="output tokens per request")
     b.add_argument("--ignore-eos", action="store_true", help="every request makes --output-len")
+
+
+def _bench_engine_args(b: argparse.ArgumentParser) -> None:
+    """The device, context and KV cache of the engines `eagleserve bench` starts."""
     b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda")
     b.add_argument("--max-model-len", type=int, default=1024, help="the engines' context")
     b.add_argument(
@@ -180,7 +196,6 @@ def _bench_parser(sub) -> None:
         default=True,
         help="the engines reuse KV blocks of earlier requests' identical prefixes",
     )
-    b.add_argument("-o", "--output", type=Path, default=Path("benchmarks/bench.json"), help="JSON")
 
 
 def _loadtest_parser(sub) -> None:

@@ -23,9 +23,21 @@ ENGINE_FLAGS = (
 def engine_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     """Engine flags with EngineConfig's defaults. For serve they default to None, so that a flag
     left unset keeps the --config file's value."""
+    add = _field_flag_adder(p, serve)
+    _model_flags(add)
+    _memory_flags(add)
+    p.add_argument(
+        "--no-overlap", action="store_true", help="process each step's results before the next"
+    )
+    _speculation_flags(add)
+
+
+def _field_flag_adder(p: argparse.ArgumentParser, serve: bool):
+    """add(*names, shown=None, **kw): a flag for the EngineConfig field its first name spells,
+    whose help tells the default (shown: how it names a default of None)."""
     from speculative.config import EngineConfig
 
-    def add(*names, shown=None, **kw):  # shown: how the help names a default of None
+    def add(*names, shown=None, **kw):
         field = names[0].lstrip("-").replace("-", "_")
         default = EngineConfig.model_fields[field].default
         if serve:
@@ -34,6 +46,11 @@ def engine_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
             kw["help"] += f" (default: {shown})"
         p.add_argument(*names, default=None if serve else default, **kw)
 
+    return add
+
+
+def _model_flags(add) -> None:
+    """The model, its drafter and where and how big the engine runs it."""
     add("--model", help="model name, HF directory or .gguf file")
     add("--drafter", help="'default', 'none' or an EAGLE-3 drafter directory")
     add("--num-draft-tokens", "-k", type=int, help="draft tokens per step (K)")
@@ -47,6 +64,10 @@ def engine_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     add("--device", choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
     add("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="weights' dtype")
     add("--tp", type=int, help="tensor-parallel size (runs on Ray when > 1)")
+
+
+def _memory_flags(add) -> None:
+    """The KV cache's size and reuse."""
     add(
         "--kv-cache-memory-gb",
         type=float,
@@ -65,9 +86,10 @@ def engine_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
         action=argparse.BooleanOptionalAction,
         help="reuse the KV cache blocks of earlier requests' identical prefixes",
     )
-    p.add_argument(
-        "--no-overlap", action="store_true", help="process each step's results before the next"
-    )
+
+
+def _speculation_flags(add) -> None:
+    """What the drafter's chain drafts besides its own tokens."""
     add(
         "--prompt-lookup",
         type=float,

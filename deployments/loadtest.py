@@ -26,9 +26,7 @@ LOOPBACK_NAMES = {"localhost"}
 class RequestResult:
     sent: float  # perf_counter() when the request was sent
     first: float | None = None  # first chunk carrying text
-    chunks: list[float] = field(
-        default_factory=list
-    )  # every chunk carrying text (ITL = their gaps)
+    chunks: list[float] = field(default_factory=list)  # every chunk carrying text (ITL: gaps)
     done: float | None = None  # `data: [DONE]`
     num_tokens: int = 0  # usage.completion_tokens, else text chunks
     tokens_estimated: bool = False  # no usage: num_tokens counts text chunks
@@ -103,13 +101,8 @@ async def send_one(
         r.error = "timeout"
     except httpx.TransportError:
         r.error = "connection"
-    except (
-        json.JSONDecodeError,
-        TypeError,
-        AttributeError,
-        IndexError,
-    ):  # not the events a stream must send
-        r.error = "stream_error"
+    except (json.JSONDecodeError, TypeError, AttributeError, IndexError):
+        r.error = "stream_error"  # not the events a stream must send
     if r.error is None and r.done is None:
         r.error = "stream_error"  # ended without [DONE]
     r.first = r.chunks[0] if r.chunks else None
@@ -117,6 +110,42 @@ async def send_one(
     r.tokens_estimated = not isinstance(counted, int)
     r.num_tokens = num_text_chunks if r.tokens_estimated else counted
     return r
+
+
+def _client(api_key: str | None, timeout_s: float) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    # trust_env=False: a proxy from the environment must not intercept loopback traffic
+    return httpx.AsyncClient(
+        headers=headers,
+        timeout=timeout_s,
+        trust_env=False,
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+    )
+
+
+async def _closed_loop(send, bodies: list[dict], concurrency: int, deadline: float) -> None:
+    """`concurrency` workers, each sending its next body once its last one is done."""
+    todo = iter(bodies)
+
+    async def worker():
+        for body in todo:  # one shared iterator: the workers take turns
+            if time.perf_counter() >= deadline:
+                return
+            await send(body)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+
+async def _open_loop(send, bodies: list[dict], rate: float, seed: int, deadline: float) -> None:
+    """The bodies sent at Poisson arrivals of `rate` per second, whatever is still in flight."""
+    rng, tasks = random.Random(seed), []
+    for i, body in enumerate(bodies):
+        if i:
+            await asyncio.sleep(rng.expovariate(rate))  # exponential gaps: Poisson arrivals
+        if time.perf_counter() >= deadline:
+            break
+        tasks.append(asyncio.create_task(send(body)))
+    await asyncio.gather(*tasks)
 
 
 async def run_level(
@@ -135,14 +164,7 @@ async def run_level(
     `rate` req/s) over `bodies`, until all are sent or `duration_s` passes. Returns the results and
     the wall time."""
     assert (concurrency is None) != (rate is None)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    # trust_env=False: a proxy from the environment must not intercept loopback traffic
-    client = httpx.AsyncClient(
-        headers=headers,
-        timeout=timeout_s,
-        trust_env=False,
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-    )
+    client = _client(api_key, timeout_s)
     endpoint = url + ("/v1/chat/completions" if "messages" in bodies[0] else "/v1/completions")
     bar = tqdm(total=len(bodies), desc=desc, leave=False)
     results: list[RequestResult] = []
@@ -155,24 +177,9 @@ async def run_level(
 
     async with client:
         if concurrency is not None:
-            todo = iter(bodies)
-
-            async def worker():
-                for body in todo:  # one shared iterator: the workers take turns
-                    if time.perf_counter() >= deadline:
-                        return
-                    await send(body)
-
-            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            await _closed_loop(send, bodies, concurrency, deadline)
         else:
-            rng, tasks = random.Random(seed), []
-            for i, body in enumerate(bodies):
-                if i:
-                    await asyncio.sleep(rng.expovariate(rate))  # exponential gaps: Poisson arrivals
-                if time.perf_counter() >= deadline:
-                    break
-                tasks.append(asyncio.create_task(send(body)))
-            await asyncio.gather(*tasks)
+            await _open_loop(send, bodies, rate, seed, deadline)
     bar.close()
     return results, time.perf_counter() - start
 
