@@ -55,7 +55,7 @@ def use_paged_kernel(device: torch.device) -> bool:
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -79,7 +79,7 @@ def use_gqa(
         or os.environ.get("EAGLESERVE_GQA") == "0"
     ):
         return False
-    return tokens == 1 or tokens >= 64 or batch_size * heads <= _num_sms(device)
+    return tokens == 1 or tokens >= 64 or batch_size * heads <= num_sms(device)
 
 
 def hidden_keys(batch: ForwardBatch) -> torch.Tensor:

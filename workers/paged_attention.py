@@ -13,12 +13,11 @@ Masks, as the reference's: a chain token at position p sees keys 0..p (causal wi
 whatever the number of query tokens); a draft-tree node t sees the keys before the row's root
 (write_positions[:, 0]) and the nodes tree[t] marks."""
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from workers.attention import num_sms
 from workers.kv_cache import ForwardBatch
 
 BLOCK_N = 64  # keys per tile
@@ -128,18 +127,13 @@ def _combine_splits_kernel(
     tl.store(out_ptr + o_at, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def default_splits(programs: int, kv_len: int, device: torch.device) -> int:
     """Enough splits of the keys for about two programs per SM, each of at least
     MIN_SPLIT_KEYS of kv_len keys; one where the rows and heads fill the GPU already (and on
     CPU). A row shorter than kv_len spreads over its splits as far as MIN_SPLIT_KEYS allows."""
     if device.type != "cuda":
         return 1
-    wanted = triton.cdiv(2 * _num_sms(device), programs)
+    wanted = triton.cdiv(2 * num_sms(device), programs)
     return max(1, min(wanted, kv_len // MIN_SPLIT_KEYS))
 
 
