@@ -3,7 +3,8 @@
 then its speed against the engine's gather path (read_kv, then cuDNN's GQA attention, as the
 engine's graphs run it) at a Llama-3.1-8B layer's attention shape (32 query heads, 8 KV heads,
 head dim 128, bf16, blocks of 16) for batch 1, 8, 32, contexts 1k, 8k, 32k, one query token a
-row (decode) and six (a K=5 verify pass), plus two 512-token prefill chunks. Both are timed in
+row (decode) and six (a K=5 verify pass), plus prefill chunks and the rows around the
+engine's switch from the kernel to the gather (32 to 256 tokens). Both are timed in
 CUDA graphs of 20 calls; the kernel also with the same rows in a 32k-token block table, as the
 graphs' batch-only buckets run it. Writes JSON under $OUT (or --output) and prints a table.
 
@@ -31,6 +32,8 @@ DEVICE = "cpu" if TINY else "cuda"
 LAYER = (4, 2, 32) if TINY else (32, 8, 128)
 SHAPES = [(B, context, T) for B in (1, 8, 32) for context in (1024, 8192, 32768) for T in (1, 6)]
 SHAPES += [(1, 4096, 512), (4, 8192, 512)]  # prefill chunks past a context
+# where the engine switches from the kernel to the gather (KERNEL_MAX_QUERY): trees, chunks
+SHAPES += [(B, 4096, T) for B in (1, 8) for T in (32, 81, 128, 256)]
 LONG_TABLE = 32768  # the block table of a graph captured for the longest context
 CHECK_CONTEXT = 3000
 CHECK_DTYPES, SPEED_DTYPE = (torch.float32, torch.bfloat16), torch.bfloat16

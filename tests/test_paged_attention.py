@@ -133,13 +133,46 @@ def test_engine_with_the_kernel_gives_the_reference_paths_tokens(
     monkeypatch.setattr(workers.paged_attention, "paged_attention", counted)
     outputs = []
     for kernel in (False, True):
-        monkeypatch.setattr(workers.attention, "use_paged_kernel", lambda device, use=kernel: use)
+        monkeypatch.setattr(
+            workers.attention, "use_paged_kernel", lambda device, query_len, use=kernel: use
+        )
         engine = tiny_engine(tiny_dir, drafter_dir, **options)
         requests = run_to_completion(engine, prompts, params, [0, 0, 2, 5])
         outputs.append([r.output_ids for r in requests])
     assert outputs[0] == outputs[1]
     assert engine.scheduler.kv.manager.stats.num_hit_tokens >= 32
     assert len(calls) > 100 and any(calls) == tree
+
+
+def test_engine_picks_the_kernel_by_query_length(tiny_dir, tiny_drafter_dir, monkeypatch):
+    """The GPU's policy: the kernel for rows of up to KERNEL_MAX_QUERY tokens (verify, draft
+    steps, short chunks), the gather past it (long prefill chunks). Mixed in one run, they
+    give the gather path's tokens."""
+    # a prefill bucket boundary: a padded graph bucket and its eager steps take the same path
+    assert workers.attention.KERNEL_MAX_QUERY in workers.cuda_graphs.kv_buckets(8192, 16)
+    prompts = tiny_prompts(4, seed=9, min_len=40, max_len=60)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3)
+    reference_ids = [r.output_ids for r in run_to_completion(engine, prompts, params, [0, 0, 3, 3])]
+    kernel_rows, gather_rows = [], []
+
+    def counted(q, *args):
+        kernel_rows.append(q.shape[1])
+        return paged_attention(q, *args)
+
+    def counted_gather(cache, batch):
+        gather_rows.append(batch.positions.shape[1])
+        return read_kv(cache, batch)
+
+    monkeypatch.setattr(workers.paged_attention, "paged_attention", counted)
+    monkeypatch.setattr(workers.attention, "read_kv", counted_gather)
+    monkeypatch.setattr(workers.attention, "paged_kernel_available", lambda device: True)
+    monkeypatch.setattr(workers.attention, "KERNEL_MAX_QUERY", 16)
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3)
+    requests = run_to_completion(engine, prompts, params, [0, 0, 3, 3])
+    assert [r.output_ids for r in requests] == reference_ids
+    assert kernel_rows and max(kernel_rows) <= 16 and 4 in kernel_rows  # verify: 1 + K
+    assert gather_rows and min(gather_rows) > 16  # the prompts' prefills
 
 
 def test_graphs_bucket_by_batch_only_with_the_kernel(tiny_dir, tiny_drafter_dir, monkeypatch):
@@ -153,7 +186,7 @@ def test_graphs_bucket_by_batch_only_with_the_kernel(tiny_dir, tiny_drafter_dir,
     engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3)
     reference_ids = [r.output_ids for r in run_to_completion(engine, prompts, params, [0, 1, 1, 4])]
     for module in (workers.attention, workers.cuda_graphs):
-        monkeypatch.setattr(module, "use_paged_kernel", lambda device: True)
+        monkeypatch.setattr(module, "use_paged_kernel", lambda device, query_len: True)
     engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3)
     runner = engine.executor
     runner.graphs = workers.cuda_graphs.step_graph_set(runner, CpuStepGraphs)

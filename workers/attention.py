@@ -40,18 +40,30 @@ class AttentionInputs:
     gqa: bool
 
 
+# query tokens a row up to which the paged kernel runs (decode, verify, draft steps and short
+# prefill chunks); past it the gather + SDPA runs, as flash attention over the gathered blocks
+# wins on long query rows (at 512 the kernel took 1.25x the gather's time on an H100:
+# benchmarks/h100_2026-12-06b/). A graph bucket boundary, so a padded bucket and the eager
+# step it stands for take the same path
+KERNEL_MAX_QUERY = 128
+
+
 @functools.cache
-def use_paged_kernel(device: torch.device) -> bool:
-    """The Triton kernel over the block table (workers/paged_attention.py), on CUDA with
-    EAGLESERVE_PAGED_ATTENTION=1 (opt-in until a GPU run measures it against the gather:
-    benchmarks/kernel_gpu_job.sh); otherwise the reference: gather the blocks, then SDPA."""
-    if device.type != "cuda" or os.environ.get("EAGLESERVE_PAGED_ATTENTION") != "1":
+def paged_kernel_available(device: torch.device) -> bool:
+    """On CUDA with Triton, unless EAGLESERVE_PAGED_ATTENTION=0 (the gather always, for A/B)."""
+    if device.type != "cuda" or os.environ.get("EAGLESERVE_PAGED_ATTENTION") == "0":
         return False
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+def use_paged_kernel(device: torch.device, query_len: int) -> bool:
+    """The Triton kernel over the block table (workers/paged_attention.py) for rows of up to
+    KERNEL_MAX_QUERY tokens; otherwise the reference: gather the blocks, then SDPA."""
+    return query_len <= KERNEL_MAX_QUERY and paged_kernel_available(device)
 
 
 @functools.cache
@@ -103,7 +115,7 @@ def attention_inputs(
     device = batch.positions.device
     if gqa is None:
         gqa = use_gqa(device, dtype, B, T, attn.heads, attn.head_dim)
-    if use_paged_kernel(device):  # the kernel masks as it reads
+    if use_paged_kernel(device, T):  # the kernel masks as it reads
         return AttentionInputs(cos, sin, None, gqa)
     hidden = hidden_keys(batch)
     bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
@@ -175,7 +187,7 @@ class CachedAttention(nn.Module):
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         qk, v = self.rotated_qkv(x, inputs.cos, inputs.sin)
         write_kv(self.cache, batch, qk[:, :, H:], v)
-        if use_paged_kernel(x.device):
+        if use_paged_kernel(x.device, T):
             from workers.paged_attention import paged_attention
 
             out = paged_attention(qk[:, :, :H], self.cache, batch)  # [B, T, H, D]

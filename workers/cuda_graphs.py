@@ -159,7 +159,7 @@ def step_graph_set(runner, graphs_class=StepGraphs) -> StepGraphSet:
     # the gather reads kv_len keys a row, so graphs bucket by it too; the paged kernel reads
     # each row's own keys, so one length serves every step: buckets by batch size only
     cache_len = runner.kv.cache_len
-    lengths = [cache_len] if use_paged_kernel(dev) else kv_buckets(cache_len)
+    lengths = [cache_len] if use_paged_kernel(dev, runner.T) else kv_buckets(cache_len)
     verifier = runner.verifier
     verify = verifier.decode_step if verifier.whole_step else verifier.greedy
     graphs = StepGraphSet(
