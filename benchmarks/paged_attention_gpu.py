@@ -120,6 +120,18 @@ def time_ms(fn, repeats=20) -> float:
     return start.elapsed_time(end) / repeats
 
 
+def eager_ms(fn, repeats=2 if TINY else 50) -> float:
+    """Per call, launched eagerly from Python (wall time: the launch overhead shows)."""
+    fn()
+    sync = torch.cuda.synchronize if not TINY else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    sync()
+    return (time.perf_counter() - start) * 1e3 / repeats
+
+
 def gather_sdpa(q, pool, batch, bias):
     """The engine's path without the kernel, a layer's share of it: gather the blocks, then
     cuDNN's GQA attention (as the engine's graphs run it) under a mask built once a forward."""
@@ -151,13 +163,32 @@ def measure_speed(rows: list[dict], save) -> None:
         torch.cuda.empty_cache()
 
 
+# eager steps (a suffix past a cached prefix, steps no graph fits): SmolLM2-135M's layer and
+# the 8B one; batch, context, query tokens a row
+EAGER_SHAPES = [((9, 3, 64), 1, 2520, 36), ((9, 3, 64), 1, 2520, 1), (LAYER, 1, 1024, 6)]
+
+
+def measure_eager(rows: list[dict]) -> None:
+    """Both paths launched eagerly: wall time per call, as an eager step pays it."""
+    for layer, B, context, T in EAGER_SHAPES:
+        q, pool, batch = make_batch(B, T, *layer, context, SPEED_DTYPE)
+        bias = mask_bias(q, batch)  # built once a forward, for all layers
+        kernel = eager_ms(lambda q=q, p=pool, b=batch: paged_attention(q, p, b))
+        gather = eager_ms(lambda q=q, p=pool, b=batch, m=bias: gather_sdpa(q, p, b, m))
+        rows.append({"layer": layer, "batch": B, "context": context, "tokens_per_row": T,
+                     "triton_eager_ms": round(kernel, 4),
+                     "gather_eager_ms": round(gather, 4)})  # fmt: skip
+        print(rows[-1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output", type=Path, default=Path(os.environ.get("OUT", ".")))
     p.add_argument("--tiny", action="store_true", help="CPU dry run: Triton's interpreter")
     args = p.parse_args()
     device = "cpu (Triton interpreter)" if TINY else torch.cuda.get_device_name()
-    result = {"device": device, "results": check_results(), "speed": []}
+    result = {"device": device, "results": check_results(), "speed": [], "eager": []}
+    measure_eager(result["eager"])
     print(json.dumps(result["results"], indent=1))
     path = args.output / "paged_attention_gpu.json"
     measure_speed(result["speed"], lambda: path.write_text(json.dumps(result, indent=2)))
