@@ -177,22 +177,26 @@ def test_engine_picks_the_kernel_by_query_length(tiny_dir, tiny_drafter_dir, mon
 
 def test_graphs_bucket_by_batch_only_with_the_kernel(tiny_dir, tiny_drafter_dir, monkeypatch):
     """With the kernel, a step's graphs are captured once per batch size at the cache's whole
-    length (the kernel reads each row's own keys): replayed (eagerly on CPU, by the real
-    StepGraphs), they give the gather path's tokens."""
-    import workers.cuda_graphs
-
-    prompts = tiny_prompts(4, seed=8)
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3)
-    reference_ids = [r.output_ids for r in run_to_completion(engine, prompts, params, [0, 1, 1, 4])]
-    for module in (workers.attention, workers.cuda_graphs):
-        monkeypatch.setattr(module, "use_paged_kernel", lambda device, query_len: True)
-    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3)
+    length (the kernel reads each row's own keys), and a short prefill past a long cached prefix
+    replays its own length's prefill graph. Replayed (eagerly on CPU, by the real StepGraphs),
+    they give the gather path's tokens."""
+    prefix = tiny_prompts(1, seed=7, min_len=320, max_len=320)[0]  # 20 blocks
+    prompts = [prefix + p for p in tiny_prompts(4, seed=8, min_len=3, max_len=8)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    schedule = [0, 2, 4, 6]  # each later prompt prefills alone, past the cached prefix
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, max_model_len=512)
+    reference_ids = [r.output_ids for r in run_to_completion(engine, prompts, params, schedule)]
+    monkeypatch.setattr(workers.attention, "paged_kernel_available", lambda device: True)
+    monkeypatch.setattr(workers.attention, "KERNEL_MAX_QUERY", 32)
+    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, max_model_len=512)
     runner = engine.executor
     runner.graphs = workers.cuda_graphs.step_graph_set(runner, CpuStepGraphs)
     for graphs in (runner.graphs.verify, runner.graphs.chain):
         assert graphs.lengths == [runner.kv.cache_len]
+    for graphs in runner.graphs.all():
         graphs.capture_all()
-    requests = run_to_completion(engine, prompts, params, [0, 1, 1, 4])
+    requests = run_to_completion(engine, prompts, params, schedule)
     assert [r.output_ids for r in requests] == reference_ids
+    assert engine.scheduler.kv.manager.stats.num_hit_tokens >= 3 * 304
+    assert runner.graphs.prefill.replays == len(prompts)
     assert runner.graphs.verify.replays > 5 and runner.graphs.chain.replays > 5

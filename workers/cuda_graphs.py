@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.attention import use_paged_kernel
+from workers import attention
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def prefill_graphs(runner, graphs_class=StepGraphs) -> StepGraphs:
     lengths = [n for n in kv_buckets(runner.max_model_len, 16) if n <= max_tokens]
     inputs = [GraphInput(torch.long, pad=1), GraphInput(torch.long)]
     inputs.append(GraphInput(torch.long, per_token=True))
-    fn, slots, dummy = runner._prefill_greedy, runner.num_slots, runner.kv.dummy_slot
+    fn, slots, dummy = runner._prefill_graphed, runner.num_slots, runner.kv.dummy_slot
     return graphs_class(fn, slots, lengths, dummy, inputs, runner.device, max_tokens)
 
 
@@ -159,7 +159,7 @@ def step_graph_set(runner, graphs_class=StepGraphs) -> StepGraphSet:
     # the gather reads kv_len keys a row, so graphs bucket by it too; the paged kernel reads
     # each row's own keys, so one length serves every step: buckets by batch size only
     cache_len = runner.kv.cache_len
-    lengths = [cache_len] if use_paged_kernel(dev, runner.T) else kv_buckets(cache_len)
+    lengths = [cache_len] if attention.use_paged_kernel(dev, runner.T) else kv_buckets(cache_len)
     verifier = runner.verifier
     verify = verifier.decode_step if verifier.whole_step else verifier.greedy
     graphs = StepGraphSet(

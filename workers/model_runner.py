@@ -18,6 +18,7 @@ from speculative.plan import StepPlan
 from speculative.proposer import DraftSeed, Proposer
 from speculative.resource_manager import Eagle3ResourceManager
 from speculative.sampling import process_logits, prompt_logprobs, sample_one, token_logprobs
+from workers import attention
 from workers.build import load_models, weight_bytes
 from workers.cuda_graphs import StepGraphSet, capture_step_graphs
 from workers.device import pick_device, pick_dtype
@@ -174,12 +175,14 @@ class ModelRunner:
         logprobs = prompt = None
         kv_len = max(p.start + len(p.token_ids) for p in plan.prefills)
         # chunks that end short of the prompt run eagerly, and so do those after a cached prefix
-        # long enough to pad them into a much larger graph than the chunk alone
+        # long enough to pad them into a much larger graph than the chunk alone; but rows the
+        # kernel reads replay their own length's graph, whatever the prefix (_prefill_graphed)
+        graph_len = T if attention.use_paged_kernel(self.device, T) else kv_len
         last = all(p.next_token < 0 for p in plan.prefills)
-        bucket = graphs.bucket_length(kv_len) if graphs is not None else None
+        bucket = graphs.bucket_length(graph_len) if graphs is not None else None
         cheap = bucket is not None and bucket <= max(2 * graphs.bucket_length(T), SHORT_PREFILL)
-        if cheap and plan.graphable and last and graphs.fits(B, kv_len):
-            out = graphs(slots, lens, inp["prefill_starts"], ids, kv_len=kv_len)
+        if cheap and plan.graphable and last and graphs.fits(B, graph_len):
+            out = graphs(slots, lens, inp["prefill_starts"], ids, kv_len=graph_len)
         else:
             out, logprobs, prompt = self._prefill_eager(plan, slots, lens, ids, kv_len, inp)
         if self.drafter is not None:
@@ -211,6 +214,13 @@ class ModelRunner:
         rows = torch.arange(ids.shape[0], device=self.device)
         token = self.target.logits(hidden[rows, lens - 1]).argmax(-1)
         return self._after_prefill(ids, lens, token, batch, features)
+
+    def _prefill_graphed(self, slots, lens, starts, ids, kv_len: int) -> tuple:
+        """The prefill graphs' function: a bucket of rows the paged kernel reads (each row's own
+        keys) gets the whole cache's block table, so it serves a chunk past any cached prefix."""
+        if attention.use_paged_kernel(self.device, ids.shape[1]):
+            kv_len = self.kv.cache_len
+        return self._prefill_greedy(slots, lens, starts, ids, kv_len)
 
     def _prefill_eager(self, plan: StepPlan, slots, lens, ids, kv_len: int, inp: dict):
         starts = inp["prefill_starts"]
