@@ -280,10 +280,13 @@ def test_no_host_sync_inside_steps():
 
 
 def test_gqa_attention_equals_folded_under_cudnn():
-    """In bf16 the graphs run GQA attention through cuDNN (the fp32 checks above fold): it must give
-    what the folded form gives, and cuDNN must accept it (forced, so no silent fallback to math)."""
+    """In bf16 the graphs run the gather path's GQA attention through cuDNN (the fp32 checks
+    above fold): it must give what the folded form gives, and cuDNN must accept it (forced, so no
+    silent fallback to math). The paged kernel, which runs rows of up to KERNEL_MAX_QUERY
+    tokens, must give it too."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    import workers.attention
     from workers.attention import CachedAttention, attention_inputs, use_gqa
     from workers.kv_cache import ForwardBatch
     from workers.rotary import Rotary
@@ -293,9 +296,10 @@ def test_gqa_attention_equals_folded_under_cudnn():
     attn = CachedAttention(576, 576, H, KV, D, Rotary(D, 1024, 10000.0)).to(dev, dt)
     was_enabled = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(True)
+    kernel_policy = workers.attention.use_paged_kernel
     try:
         for B, T in ((8, 4), (4, 1), (2, 64)):
-            assert use_gqa(dev, dt, B, T, H, D)
+            assert use_gqa(dev, dt, B, T, H, D) and kernel_policy(dev, T)
             # a paged pool: slot b owns blocks 32b..32b+31 (512 rows), the last block a dummy
             attn.cache = torch.randn(2, 32 * B + 1, 16, KV, D, device=dev, dtype=dt)
             table = torch.arange(32 * B, device=dev).view(B, 32)
@@ -304,11 +308,16 @@ def test_gqa_attention_equals_folded_under_cudnn():
             blocks = table.gather(1, positions // 16)
             batch = ForwardBatch(slots, positions, positions, blocks, positions % 16, table, 512)
             x = torch.randn(B, T, 576, device=dev, dtype=dt)
+            kernel = attn(x, batch, attention_inputs(batch, attn, dt))
+            workers.attention.use_paged_kernel = lambda device, query_len: False
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 gqa = attn(x, batch, attention_inputs(batch, attn, dt, gqa=True))
             folded = attn(x, batch, attention_inputs(batch, attn, dt, gqa=False))
+            workers.attention.use_paged_kernel = kernel_policy
             torch.testing.assert_close(gqa, folded, rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(kernel, folded, rtol=2e-2, atol=2e-2)
     finally:
+        workers.attention.use_paged_kernel = kernel_policy
         torch.backends.cuda.enable_cudnn_sdp(was_enabled)
 
 

@@ -24,11 +24,7 @@ BLOCK_N = 64  # keys per tile
 MIN_SPLIT_KEYS = 128  # a split reads at least this many keys (a multiple of BLOCK_N)
 
 
-# Triton compiles a variant per integer argument that is 1, a multiple of 16 or neither; the
-# arguments that change from step to step stay unspecialised, else a new step shape meets a
-# compile of a second or more (the first eager steps past a cached prefix took 0.7-4 s on an
-# H100: compiles, of this or of new block sizes)
-@triton.jit(do_not_specialize=["stride_table", "num_table_blocks", "T"])
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, table_ptr, pos_ptr, root_ptr, tree_ptr,
     stride_qb, stride_qt, stride_qh,
@@ -101,7 +97,7 @@ def _paged_attention_kernel(
         tl.store(out_ptr + o_at, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["T", "num_splits"])
+@triton.jit
 def _combine_splits_kernel(
     acc_ptr, m_ptr, l_ptr, out_ptr,
     stride_ob, stride_ot, stride_oh,
