@@ -294,6 +294,8 @@ def test_gqa_attention_equals_folded_under_cudnn():
     torch.manual_seed(0)
     dev, dt, H, KV, D = torch.device("cuda"), torch.bfloat16, 9, 3, 64
     attn = CachedAttention(576, 576, H, KV, D, Rotary(D, 1024, 10000.0)).to(dev, dt)
+    for weight in attn.parameters():  # created empty: whatever the memory held, NaN included
+        weight.normal_(std=0.05)
     was_enabled = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(True)
     kernel_policy = workers.attention.use_paged_kernel

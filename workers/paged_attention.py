@@ -24,7 +24,11 @@ BLOCK_N = 64  # keys per tile
 MIN_SPLIT_KEYS = 128  # a split reads at least this many keys (a multiple of BLOCK_N)
 
 
-@triton.jit
+# Triton compiles a variant for each integer argument that is 1, a multiple of 16 or neither:
+# the arguments that change from step to step stay unspecialised, so that a new step shape does
+# not meet a compile of a second or more while serving (the first eager steps past a cached
+# prefix took 0.7-4 s on an H100)
+@triton.jit(do_not_specialize=["stride_table", "num_table_blocks", "T"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, table_ptr, pos_ptr, root_ptr, tree_ptr,
     stride_qb, stride_qt, stride_qh,
@@ -97,7 +101,7 @@ def _paged_attention_kernel(
         tl.store(out_ptr + o_at, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "num_splits"])
 def _combine_splits_kernel(
     acc_ptr, m_ptr, l_ptr, out_ptr,
     stride_ob, stride_ot, stride_oh,
