@@ -2,7 +2,8 @@
 # The paged-attention kernel on one GPU, in one device call (no GGUF needed; carry .device/site
 # and .device/wheels): its results and speed against the gather path (paged_attention_gpu.py),
 # then the Llama-3.1-8B shape through the engine, graphs against eager token for token and step
-# times, with the kernel and without (families_gpu.py). Each part under its own timeout.
+# times, with the kernel (the CUDA default) and without (EAGLESERVE_PAGED_ATTENTION=0;
+# families_gpu.py). Each part under its own timeout.
 set -uo pipefail
 bash .device/site/setup.sh >/dev/null
 source "$(dirname "$0")/device_env.sh"
