@@ -100,11 +100,9 @@ def check_results() -> list[dict]:
 
 def time_ms(fn, repeats=20) -> float:
     """Per call, replaying a CUDA graph of `repeats` calls, as the engine runs its steps."""
-    fn()  # compiles the kernel
     if TINY:  # no graphs on a CPU: the interpreter's time, to show the code runs
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
+        return eager_ms(fn, repeats=1)
+    fn()  # compiles the kernel
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
