@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from deployments.bench import EAGLE_SETS, eagle_set, load_prompts  # noqa: E402
 from speculative.config import EngineConfig, SamplingParams  # noqa: E402
-from speculative.engine import LLMEngine, encode_prompt  # noqa: E402
+from speculative.engine.llm_engine import LLMEngine, encode_prompt  # noqa: E402
 
 
 def load_sets(num_gsm8k_test: int, names=EAGLE_SETS) -> dict[str, list[str]]:

@@ -11,8 +11,8 @@ import ray
 
 from deployments.bench import load_prompts, run_load
 from speculative.config import EngineConfig, SamplingParams
-from speculative.coordinator import Coordinator
-from speculative.engine import encode_prompt
+from speculative.engine.coordinator import Coordinator
+from speculative.engine.llm_engine import encode_prompt
 
 
 def measure(cfg: EngineConfig, prompts, params, concurrency: int) -> list[dict]:
@@ -59,7 +59,7 @@ def main():
     p.add_argument("-o", "--output", default="benchmarks/control_plane.json")
     args = p.parse_args()
     ray.init(num_cpus=max(os.cpu_count() or 1, 4), logging_level="ERROR", log_to_driver=False)
-    from workers.loader import load_tokenizer, resolve_model
+    from workers.models.loader import load_tokenizer, resolve_model
 
     tokenizer = load_tokenizer(resolve_model("smollm2-135m"))
     prompts = [encode_prompt(tokenizer, q) for q in load_prompts(None, args.num_prompts)]

@@ -45,7 +45,7 @@ def run_config(spec: dict) -> dict:
     logging.getLogger().setLevel(logging.INFO)
     from deployments.bench import load_prompts
     from speculative.config import EngineConfig, SamplingParams
-    from speculative.engine import LLMEngine, encode_prompt
+    from speculative.engine.llm_engine import LLMEngine, encode_prompt
 
     start = time.perf_counter()
     engine = LLMEngine(
@@ -100,8 +100,8 @@ def measure_conversion(threads: int) -> dict:
 
     torch.set_num_threads(threads)
     from speculative.config import EngineConfig
-    from workers.loader import resolve_model
     from workers.model_runner import ModelRunner
+    from workers.models.loader import resolve_model
 
     out = {}
     for label in ("first_load_with_conversion_s", "cached_load_s"):

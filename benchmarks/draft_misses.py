@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from acceptance import load_sets  # noqa: E402  (benchmarks/acceptance.py)
 
 from speculative.config import EngineConfig, SamplingParams  # noqa: E402
-from speculative.engine import LLMEngine, encode_prompt  # noqa: E402
+from speculative.engine.llm_engine import LLMEngine, encode_prompt  # noqa: E402
 from speculative.train.config import DistillConfig, TrainConfig  # noqa: E402
 from speculative.train.data import prompt_order, read_prompts  # noqa: E402
 from speculative.train.trainer import train_step  # noqa: E402

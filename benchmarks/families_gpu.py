@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import runner_bench as rb  # noqa: E402
 from speculative.config import EngineConfig, SamplingParams  # noqa: E402
-from speculative.engine import LLMEngine  # noqa: E402
+from speculative.engine.llm_engine import LLMEngine  # noqa: E402
 from workers.cuda_graphs import StepGraphSet  # noqa: E402
 from workers.device import pick_device  # noqa: E402
 

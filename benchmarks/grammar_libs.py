@@ -94,8 +94,8 @@ def _summary(compile_s: list[float], mask_s: list[float]) -> dict:
 
 
 def main() -> None:
-    from workers.loader import load_tokenizer, resolve_model
     from workers.models import load_config
+    from workers.models.loader import load_tokenizer, resolve_model
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/grammar_libs_cpu.json")

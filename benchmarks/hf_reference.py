@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from deployments.bench import load_prompts
-from speculative.engine import encode_prompt
-from workers.loader import load_tokenizer, resolve_model
+from speculative.engine.llm_engine import encode_prompt
+from workers.models.loader import load_tokenizer, resolve_model
 
 
 def run(model, tokenizer, prompts, batch: int, new_tokens: int, lookup: bool) -> dict:

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from acceptance import EAGLE_SETS, load_sets, measure  # noqa: E402  (benchmarks/acceptance.py)
 
 from speculative.config import EngineConfig  # noqa: E402
-from speculative.engine import LLMEngine, encode_prompt  # noqa: E402
+from speculative.engine.llm_engine import LLMEngine, encode_prompt  # noqa: E402
 from speculative.prompt_lookup import lookup  # noqa: E402
 
 

@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from deployments.bench import load_prompts, run_load
 from speculative.config import EngineConfig, SamplingParams
-from speculative.engine import LLMEngine, encode_prompt
+from speculative.engine.llm_engine import LLMEngine, encode_prompt
 
 CUDA = torch.cuda.is_available()
 
@@ -83,7 +83,7 @@ def in_process(
 
 
 def ray_path(cfg: EngineConfig, texts: list[str], batch: int, output_len: int) -> list[dict]:
-    from speculative.coordinator import Coordinator
+    from speculative.engine.coordinator import Coordinator
 
     rows = []
     for overlap in (True, False):

@@ -43,9 +43,9 @@ if TINY:  # Triton 3.9's interpreter computes bf16 dots wrongly (a 16x16 test: o
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from speculative.draft_tree import tree_layout  # noqa: E402
-from workers.attention import hidden_keys  # noqa: E402
-from workers.kv_cache import ForwardBatch, read_kv  # noqa: E402
-from workers.paged_attention import paged_attention  # noqa: E402
+from workers.layers.attention import hidden_keys  # noqa: E402
+from workers.layers.kv_cache import ForwardBatch, read_kv  # noqa: E402
+from workers.layers.paged_attention import paged_attention  # noqa: E402
 
 
 def make_batch(

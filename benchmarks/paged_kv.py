@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from speculative.config import EngineConfig, SamplingParams
-from speculative.engine import LLMEngine
+from speculative.engine.llm_engine import LLMEngine
 
 HERE = Path(__file__).resolve().parent
 

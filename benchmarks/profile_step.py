@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from deployments.bench import load_prompts  # noqa: E402
 from speculative.config import EngineConfig, SamplingParams  # noqa: E402
-from speculative.engine import LLMEngine, encode_prompt  # noqa: E402
+from speculative.engine.llm_engine import LLMEngine, encode_prompt  # noqa: E402
 
 
 def profiled(engine: LLMEngine, num_steps: int) -> dict:

@@ -15,10 +15,10 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from speculative.engine import encode_chats, encode_prompt  # noqa: E402
+from speculative.engine.llm_engine import encode_chats, encode_prompt  # noqa: E402
 from speculative.train.config import TrainConfig  # noqa: E402
 from speculative.train.data import distill_order, prompt_order, read_prompts  # noqa: E402
-from workers.loader import load_tokenizer, resolve_model  # noqa: E402
+from workers.models.loader import load_tokenizer, resolve_model  # noqa: E402
 
 
 def main() -> None:

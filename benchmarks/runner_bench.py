@@ -16,13 +16,13 @@ from speculative.config import EngineConfig, SamplingParams
 from speculative.plan import PrefillRow, StepPlan
 from workers.cuda_graphs import capture_step_graphs
 from workers.device import pick_device, pick_dtype
-from workers.loader import RANDOM_SHAPES, resolve_model
 from workers.model_runner import ModelRunner
 from workers.models import ModelConfig
+from workers.models.loader import RANDOM_SHAPES, resolve_model
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
-# `random:<name>` shapes, each as its Hugging Face config.json has it (workers.loader's own
+# `random:<name>` shapes, each as its Hugging Face config.json has it (workers.models.loader's own
 # `random:llama-3.1-8b` stops at 8192 positions: too few for a 32k context)
 SHAPES = {
     "hf-llama-3.1-8b": {

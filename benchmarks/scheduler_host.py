@@ -14,8 +14,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from speculative.config import SamplingParams  # noqa: E402
+from speculative.engine.scheduler import Scheduler  # noqa: E402
 from speculative.plan import StepResult  # noqa: E402
-from speculative.scheduler import Scheduler  # noqa: E402
 
 
 def time_steps(batch: int, k: int, num_steps: int, seed: int = 0) -> float:

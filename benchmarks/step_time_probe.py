@@ -28,7 +28,7 @@ def main() -> None:
     import torch
 
     from speculative.config import EngineConfig, SamplingParams
-    from speculative.engine import LLMEngine
+    from speculative.engine.llm_engine import LLMEngine
 
     torch.set_num_threads(1)
     cfg = EngineConfig(

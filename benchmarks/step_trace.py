@@ -53,8 +53,8 @@ def main():
     args = p.parse_args()
     import ray
 
-    from speculative.coordinator import Coordinator
-    from speculative.engine import encode_prompt
+    from speculative.engine.coordinator import Coordinator
+    from speculative.engine.llm_engine import encode_prompt
 
     ray.init(include_dashboard=False, num_cpus=4, log_to_driver=False)
     batches = [int(b) for b in args.batch.split(",")]

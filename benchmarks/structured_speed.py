@@ -119,7 +119,7 @@ def main() -> None:
     import torch
 
     from speculative.config import EngineConfig, SamplingParams, StructuredSpec
-    from speculative.engine import LLMEngine, encode_prompt
+    from speculative.engine.llm_engine import LLMEngine, encode_prompt
 
     args = parse_args()
     torch.set_num_threads(args.threads)

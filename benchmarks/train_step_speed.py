@@ -24,13 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import speculative.train.trainer as trainer  # noqa: E402
 from speculative.drafter_format import load_drafter
-from speculative.engine import encode_prompt  # noqa: E402
+from speculative.engine.llm_engine import encode_prompt  # noqa: E402
 from speculative.train.config import TrainConfig  # noqa: E402
 from speculative.train.data import TokenStore, batches, collate, load_data  # noqa: E402
 from speculative.train.trainer import load_target, train_step  # noqa: E402
 from speculative.train.ttt import loss_rows  # noqa: E402
 from workers.device import pick_device, pick_dtype  # noqa: E402
-from workers.loader import resolve_model
+from workers.models.loader import resolve_model
 
 
 def gsm8k_store(model: str, path: Path) -> TokenStore:

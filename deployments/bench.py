@@ -156,8 +156,8 @@ def run_load(
 
 def _encode_prompts(model: str, prompts_text: list[str]) -> list[list[int]]:
     """The prompts as token ids, through the model's tokenizer and chat template."""
-    from speculative.engine import encode_prompt
-    from workers.loader import load_tokenizer, resolve_model
+    from speculative.engine.llm_engine import encode_prompt
+    from workers.models.loader import load_tokenizer, resolve_model
 
     tokenizer = load_tokenizer(resolve_model(model))
     if tokenizer is None:
@@ -212,7 +212,7 @@ def _run_engine(
 ) -> tuple[float, list[dict]]:
     """Start one engine, warm it up and run a load at every (batch, overlap) of `loads`: its
     startup seconds and each load's run_load result."""
-    from speculative.coordinator import Coordinator
+    from speculative.engine.coordinator import Coordinator
 
     start = time.perf_counter()
     coordinator = Coordinator(cfg)

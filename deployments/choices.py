@@ -14,7 +14,7 @@ from ray.serve.exceptions import RequestCancelledError
 from deployments.api_errors import APIError
 from deployments.protocol import usage
 from speculative.config import SamplingParams
-from speculative.request import RequestOutput
+from speculative.engine.request import RequestOutput
 
 log = logging.getLogger("eagleserve.server")
 

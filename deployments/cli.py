@@ -39,9 +39,9 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 def cmd_generate(args) -> None:
     from speculative.config import SamplingParams
-    from speculative.engine import encode_prompt
-    from speculative.request import RequestError
-    from workers.loader import load_tokenizer, resolve_model
+    from speculative.engine.llm_engine import encode_prompt
+    from speculative.engine.request import RequestError
+    from workers.models.loader import load_tokenizer, resolve_model
 
     if not args.input.is_file():
         raise SystemExit(f"error: input file {args.input} does not exist")
@@ -88,7 +88,7 @@ def run_to_completion(cfg, prompts: list[list[int]], params) -> list[dict]:
     """TP=1: the single-process engine. TP>1: worker actors on a local Ray (or RAY_ADDRESS) driven
     by the coordinator actor."""
     if cfg.tp == 1:
-        from speculative.engine import LLMEngine
+        from speculative.engine.llm_engine import LLMEngine
 
         requests = LLMEngine(cfg).generate(prompts, params)
         return [
@@ -104,9 +104,9 @@ def run_to_completion(cfg, prompts: list[list[int]], params) -> list[dict]:
         local_ray_env()
     import ray
 
-    from speculative.coordinator import CoordinatorActor
     from speculative.drafter_format import drafter_dir
-    from speculative.executor import check_tp_size
+    from speculative.engine.coordinator import CoordinatorActor
+    from speculative.engine.executor import check_tp_size
 
     check_tp_size(cfg)  # what fails here would fail in every worker, with Ray's tracebacks
     if cfg.drafter not in ("none", "default"):

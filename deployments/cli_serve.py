@@ -58,7 +58,7 @@ def cmd_serve(args) -> None:
     from ray import serve
 
     from deployments.server import build_app
-    from speculative.executor import check_tp_size
+    from speculative.engine.executor import check_tp_size
 
     check_tp_size(cfg.engine)
 

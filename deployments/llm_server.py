@@ -12,7 +12,7 @@ from deployments.api_errors import APIError
 from deployments.config import ServeConfig
 from deployments.replicas import registry
 from speculative.config import SamplingParams
-from speculative.request import RequestError, RequestOutput
+from speculative.engine.request import RequestError, RequestOutput
 
 log = logging.getLogger("eagleserve.server")
 
@@ -20,7 +20,7 @@ log = logging.getLogger("eagleserve.server")
 @serve.deployment
 class LLMServer:
     def __init__(self, cfg: ServeConfig):
-        from speculative.coordinator import Coordinator
+        from speculative.engine.coordinator import Coordinator
 
         self.cfg = cfg
         self.coordinator = Coordinator(cfg.engine)
@@ -43,7 +43,7 @@ class LLMServer:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
         """Stream RequestOutput deltas; cancellation (client gone) aborts the request."""
-        from speculative.executor import EngineDeadError
+        from speculative.engine.executor import EngineDeadError
 
         c = self.coordinator
         scheduler = c.engine.scheduler
@@ -113,7 +113,7 @@ class LLMServer:
 def rank_resources(cfg: ServeConfig) -> dict[str, float]:
     """One rank's placement bundle: what its TPWorker takes (a GPU, or a CPU on the CPU backend), or
     the configured `rank_resources`, which must hold that."""
-    from speculative.executor import wants_gpu
+    from speculative.engine.executor import wants_gpu
 
     needed = "GPU" if wants_gpu(cfg.engine) else "CPU"
     bundle = dict(cfg.rank_resources or {needed: 1})

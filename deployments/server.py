@@ -53,8 +53,8 @@ api.openapi = _openapi
 @serve.ingress(api)
 class OpenAIIngress:
     def __init__(self, server, cfg: ServeConfig):
-        from workers.loader import load_tokenizer, resolve_model
         from workers.models import ModelConfig, load_config
+        from workers.models.loader import load_tokenizer, resolve_model
 
         self.cfg = cfg
         self.server = server.options(stream=True)

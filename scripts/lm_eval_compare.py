@@ -145,7 +145,7 @@ def main() -> None:
     p.add_argument("--output", type=Path, default=Path("lm_eval_compare.json"))
     args = p.parse_args()
 
-    from workers.loader import resolve_model
+    from workers.models.loader import resolve_model
 
     model_dir = str(resolve_model(args.model))
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,12 +7,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from workers.attention import CachedAttention, attention_inputs
-from workers.kv_cache import ForwardBatch
-from workers.layers import ParallelLMHead, ReplicatedLinear, RMSNorm, VocabParallelEmbedding
+from workers.layers.attention import CachedAttention, attention_inputs
+from workers.layers.kv_cache import ForwardBatch
+from workers.layers.parallel import (
+    ParallelLMHead,
+    ReplicatedLinear,
+    RMSNorm,
+    VocabParallelEmbedding,
+)
+from workers.layers.rotary import Rotary
 from workers.models.config import rope_parameters
 from workers.models.decoder import MLP
-from workers.rotary import Rotary
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ Checkpoint tensors: midlayer.{self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj,
 hidden_norm, post_attention_layernorm}.weight, fc.weight, norm.weight, lm_head.weight, d2t, t2d and
 optionally embed_tokens.weight (shared with the target when absent). Target id = draft id + d2t[id].
 A 2-D weight may also be stored as int8 with a float32 scale per output row, `<name>_scale`
-(`quantize_int8`): half the bytes of bfloat16, dequantized on load. The other tools load the
+(`drafter_int8.py`): half the bytes of bfloat16, dequantized on load. The other tools load the
 bfloat16 form only.
 """
 
@@ -18,10 +18,11 @@ import torch
 from safetensors.torch import save_file
 
 from speculative.drafter import DrafterConfig, Eagle3Drafter
+from speculative.drafter_int8 import dequantize_int8
 from speculative.drafter_speculators import flat_config, is_speculators
-from workers.layers import VocabParallelEmbedding
-from workers.loader import cache_root, iter_safetensors, load_weights
+from workers.layers.parallel import VocabParallelEmbedding
 from workers.models.config import load_config
+from workers.models.loader import cache_root, iter_safetensors, load_weights
 
 
 def _standard_name(name: str) -> str:
@@ -124,44 +125,6 @@ def drafter_state_dict(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
     if drafter.has_own_embeddings:
         state["embed_tokens.weight"] = drafter.embed_tokens.weight
     return {n: t.detach().contiguous().cpu() for n, t in state.items()}
-
-
-def quantize_int8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every 2-D float weight -> int8 rows with a float32 scale each (round(w / scale), scale =
-    max|row| / 127); the other float tensors in bfloat16."""
-    out = {}
-    for name, t in state.items():
-        if t.is_floating_point() and t.dim() == 2:
-            scale = t.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
-            out[name] = (t.float() / scale).round().to(torch.int8)
-            out[name + "_scale"] = scale
-        else:
-            out[name] = t.to(torch.bfloat16) if t.is_floating_point() else t
-    return out
-
-
-def dequantize_int8(
-    tensors: dict[str, torch.Tensor], source: str = "drafter"
-) -> dict[str, torch.Tensor]:
-    """The inverse of `quantize_int8` (float32 weights); tensors without a scale pass through."""
-    out = {n: t for n, t in tensors.items() if not n.endswith("_scale")}
-    for name in tensors.keys() - out.keys():
-        if name.removesuffix("_scale") not in out:
-            raise ValueError(
-                f"{source}: tensor {name!r} has no weight {name.removesuffix('_scale')!r} beside it"
-            )
-    for name, t in out.items():
-        scale = tensors.get(name + "_scale")
-        if scale is not None:
-            if t.dim() != 2 or scale.shape != (t.shape[0], 1):
-                raise ValueError(
-                    f"{source}: {name}_scale has shape {list(scale.shape)}, expected "
-                    f"[rows, 1] for its {list(t.shape)} weight"
-                )
-            out[name] = t.float() * scale.float()
-        elif t.dtype == torch.int8:
-            raise ValueError(f"{source}: int8 tensor {name!r} has no {name + '_scale'!r} beside it")
-    return out
 
 
 def save_drafter(

@@ -9,8 +9,8 @@ import torch
 from speculative.drafter import Eagle3Drafter
 from speculative.prompt_lookup import lookup
 from speculative.resource_manager import Eagle3ResourceManager
-from workers.kv_cache import ForwardBatch, KVCache
-from workers.slot_state import SlotState
+from speculative.slot_state import SlotState
+from workers.layers.kv_cache import ForwardBatch, KVCache
 
 
 @dataclass

@@ -9,7 +9,7 @@ seeded request is reproducible.
 
 import torch
 
-from workers.slot_state import SlotState
+from speculative.slot_state import SlotState
 
 ACCEPT_STREAM, SAMPLE_STREAM, SIBLING_STREAM = 1, 2, 3  # sibling m: stream 3 + m
 _MASK32 = 0xFFFFFFFF

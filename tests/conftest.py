@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from cpu_graphs import CpuStepGraphs
 from safetensors.torch import save_file
 
 from deployments.bench import eagle_set, load_prompts
+from workers.cuda_graphs import StepGraphSet, step_graph_set
 
 # A 2-core machine shared with other jobs: OpenMP worker threads spin against each other and make
 # small ops 10-100x slower. One intra-op thread is faster here (EAGLESERVE_TEST_THREADS overrides).
@@ -131,7 +133,7 @@ def tiny_drafter_dir(tmp_path_factory, tiny_dir) -> Path:
 
 def tiny_engine(model_dir, drafter="none", k: int = 3, **overrides):
     from speculative.config import EngineConfig
-    from speculative.engine import LLMEngine
+    from speculative.engine.llm_engine import LLMEngine
 
     cfg = dict(
         model=str(model_dir),
@@ -185,21 +187,21 @@ def bench_questions(n: int) -> list[str]:
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from workers.loader import resolve_model
+    from workers.models.loader import resolve_model
 
     return resolve_model("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
 def smollm2_prompts(smollm2_engine) -> list[list[int]]:
-    from speculative.engine import encode_prompt
+    from speculative.engine.llm_engine import encode_prompt
 
     return [encode_prompt(smollm2_engine.tokenizer, q) for q in bench_questions(20)]
 
 
 def _smollm2(drafter: str, **overrides):
     from speculative.config import EngineConfig
-    from speculative.engine import LLMEngine
+    from speculative.engine.llm_engine import LLMEngine
 
     cfg = dict(
         drafter=drafter,
@@ -232,7 +234,7 @@ def hf_smollm2():
     """Hugging Face's Llama on the same GGUF file (its own dequantization and q/k un-permute)."""
     from transformers import AutoModelForCausalLM
 
-    from workers.loader import smollm2_gguf_path
+    from workers.models.loader import smollm2_gguf_path
 
     gguf = smollm2_gguf_path()
     return AutoModelForCausalLM.from_pretrained(
@@ -265,3 +267,16 @@ def smollm2_near_tie(hf_smollm2):
         )
 
     return check
+
+
+def replay_graphs_on_cpu(runner, *parts: str) -> StepGraphSet:
+    """The runner's step graphs as CpuStepGraphs (the real bucketing and padding, replayed
+    eagerly: tests/cpu_graphs.py), captured: the named parts of the set (prefill, verify,
+    target_pass, chain), or all of them. Returns the runner's set."""
+    built = step_graph_set(runner, CpuStepGraphs)
+    for part in parts or ("prefill", "verify", "target_pass", "chain"):
+        graphs = getattr(built, part)
+        setattr(runner.graphs, part, graphs)
+        if graphs is not None:
+            graphs.capture_all()
+    return runner.graphs

@@ -3,7 +3,7 @@ prefix cache's hash chain, token confirmation and least-recently-used eviction."
 
 import pytest
 
-from speculative.block_manager import BlockManager, OutOfBlocks
+from speculative.engine.block_manager import BlockManager, OutOfBlocks
 
 
 def test_allocate_and_release_every_block():

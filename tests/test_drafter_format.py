@@ -17,10 +17,10 @@ from speculative.drafter_format import (
     drafter_state_dict,
     drafter_tensors,
     load_drafter,
-    quantize_int8,
     random_drafter_state,
     save_drafter,
 )
+from speculative.drafter_int8 import quantize_int8
 from workers.models import ModelConfig, load_config
 
 
@@ -45,7 +45,7 @@ def test_save_load_round_trip(tmp_path, tiny_dir, with_embeddings):
     save_drafter(tmp_path / "a", cfg, state)
     embeddings = None
     if not with_embeddings:
-        from workers.layers import VocabParallelEmbedding
+        from workers.layers.parallel import VocabParallelEmbedding
 
         embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         embeddings.weight.data.normal_()
@@ -233,8 +233,8 @@ def test_pickled_checkpoints_are_refused_unopened(tmp_path):
         FileNotFoundError, match=r"no safetensors weights .*pytorch_model\.bin.*pickled"
     ):
         load_drafter(tmp_path / "drafter")
-    from workers.loader import load_target_weights
     from workers.models.llama import Llama
+    from workers.models.loader import load_target_weights
 
     cfg = ModelConfig.from_hf(load_config(tmp_path / "target"))
     with pytest.raises(FileNotFoundError, match=r"pickled checkpoints are not loaded"):
@@ -288,7 +288,7 @@ def _small_drafter(tmp_path, mutate=None, **changes):
 
 
 def _target_embeddings(vocab=64, hidden=64):
-    from workers.layers import VocabParallelEmbedding
+    from workers.layers.parallel import VocabParallelEmbedding
 
     return VocabParallelEmbedding(vocab, hidden)
 

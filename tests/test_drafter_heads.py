@@ -11,7 +11,7 @@ from tiny_families import write_flat_head, write_speculators_head, write_tiny_fa
 
 from speculative.config import SamplingParams
 from speculative.drafter_format import read_drafter_config
-from workers.attention import attention_inputs
+from workers.layers.attention import attention_inputs
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 

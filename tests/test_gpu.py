@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from speculative.config import EngineConfig, SamplingParams
-from speculative.engine import LLMEngine, encode_prompt
+from speculative.engine.llm_engine import LLMEngine, encode_prompt
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 MODEL = os.environ.get("EAGLESERVE_GPU_MODEL", "smollm2-135m")
@@ -286,10 +286,11 @@ def test_gqa_attention_equals_folded_under_cudnn():
     tokens, must give it too."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    import workers.attention
-    from workers.attention import CachedAttention, attention_inputs, use_gqa
-    from workers.kv_cache import ForwardBatch
-    from workers.rotary import Rotary
+    import workers.layers.attention
+    from workers.layers.attention import CachedAttention, attention_inputs
+    from workers.layers.attention_backend import use_gqa
+    from workers.layers.kv_cache import ForwardBatch
+    from workers.layers.rotary import Rotary
 
     torch.manual_seed(0)
     dev, dt, H, KV, D = torch.device("cuda"), torch.bfloat16, 9, 3, 64
@@ -298,7 +299,7 @@ def test_gqa_attention_equals_folded_under_cudnn():
         weight.normal_(std=0.05)
     was_enabled = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(True)
-    kernel_policy = workers.attention.use_paged_kernel
+    kernel_policy = workers.layers.attention_backend.use_paged_kernel
     try:
         for B, T in ((8, 4), (4, 1), (2, 64)):
             assert use_gqa(dev, dt, B, T, H, D) and kernel_policy(dev, T)
@@ -311,15 +312,15 @@ def test_gqa_attention_equals_folded_under_cudnn():
             batch = ForwardBatch(slots, positions, positions, blocks, positions % 16, table, 512)
             x = torch.randn(B, T, 576, device=dev, dtype=dt)
             kernel = attn(x, batch, attention_inputs(batch, attn, dt))
-            workers.attention.use_paged_kernel = lambda device, query_len: False
+            workers.layers.attention_backend.use_paged_kernel = lambda device, query_len: False
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 gqa = attn(x, batch, attention_inputs(batch, attn, dt, gqa=True))
             folded = attn(x, batch, attention_inputs(batch, attn, dt, gqa=False))
-            workers.attention.use_paged_kernel = kernel_policy
+            workers.layers.attention_backend.use_paged_kernel = kernel_policy
             torch.testing.assert_close(gqa, folded, rtol=2e-2, atol=2e-2)
             torch.testing.assert_close(kernel, folded, rtol=2e-2, atol=2e-2)
     finally:
-        workers.attention.use_paged_kernel = kernel_policy
+        workers.layers.attention_backend.use_paged_kernel = kernel_policy
         torch.backends.cuda.enable_cudnn_sdp(was_enabled)
 
 

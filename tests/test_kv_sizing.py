@@ -12,9 +12,9 @@ from conftest import tiny_engine
 from deployments.cli import _engine_config
 from deployments.cli_args import build_parser
 from deployments.cli_serve import _serve_config
-from speculative.block_manager import BlockManager
 from speculative.config import EngineConfig, SamplingParams
-from speculative.request_blocks import RequestBlocks
+from speculative.engine.block_manager import BlockManager
+from speculative.engine.request_blocks import RequestBlocks
 from workers import memory_profile
 from workers.kv_sizing import (
     CPU_KV_CACHE_GB,
@@ -28,8 +28,8 @@ from workers.kv_sizing import (
     gpu_blocks,
     static_pool_size,
 )
-from workers.loader import resolve_model
 from workers.models import ModelConfig
+from workers.models.loader import resolve_model
 
 SMOL_TOKEN = 47616  # SmolLM2 fp32: 30 layers x 3 KV heads x 64 x (k, v) x 4 bytes, + the drafter's
 SMOL_BLOCK = 16 * SMOL_TOKEN
@@ -203,7 +203,7 @@ def test_peak_steps_run_the_largest_shapes(tiny_dir, tiny_drafter_dir, drafter, 
 def test_default_engine_on_smollm2_answers(caplog):
     """No max_model_len, no pool size: the model's 8192 positions, the CPU default pool, and an
     answer."""
-    from speculative.engine import LLMEngine, encode_prompt
+    from speculative.engine.llm_engine import LLMEngine, encode_prompt
 
     with caplog.at_level(logging.INFO, logger="workers.model_runner"):
         engine = LLMEngine(EngineConfig(device="cpu"))

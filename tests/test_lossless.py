@@ -7,13 +7,13 @@ import random
 import pytest
 import torch
 from conftest import (
+    replay_graphs_on_cpu,
     run_to_completion,
     tiny_engine,
     tiny_prompts,
     write_random_drafter,
     write_tiny_llama,
 )
-from cpu_graphs import CpuStepGraphs
 from scipy.stats import chi2
 
 from speculative.config import SamplingParams
@@ -21,7 +21,6 @@ from speculative.draft_tree import chain_path
 from speculative.plan import PrefillRow, StepPlan
 from speculative.sampling import prompt_logprobs
 from speculative.verify import verify_sampled
-from workers.cuda_graphs import step_graph_set
 from workers.model_runner import ModelRunner
 
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -454,8 +453,7 @@ def test_whole_decode_step_function(tiny_dir, tiny_drafter_dir, prompts, plain_r
         graph_first_draft=True,
         draft_siblings=siblings,
     )
-    graphs = engine.executor.graphs.verify = step_graph_set(engine.executor, CpuStepGraphs).verify
-    graphs.capture_all()
+    graphs = replay_graphs_on_cpu(engine.executor, "verify").verify
     fresh = ModelRunner(engine.cfg)
     requests = run_with_oracle(
         engine, prompts[:4], plain_ref[:4], JOINS[:4], corrupt_p=0.3, check_against=fresh
@@ -472,9 +470,7 @@ def test_every_step_graph_replayed_on_cpu(tiny_dir, tiny_drafter_dir, prompts, p
     drafter = "none" if k is None else tiny_drafter_dir
     engine = tiny_engine(tiny_dir, drafter, k=k or 3, max_batch_size=4)
     runner = engine.executor
-    runner.graphs = step_graph_set(runner, CpuStepGraphs)
-    for graphs in runner.graphs.all():
-        graphs.capture_all()
+    replay_graphs_on_cpu(runner)
     requests = run_to_completion(engine, prompts, GREEDY, JOINS)
     assert [r.output_ids for r in requests] == plain_ref
     used = [runner.graphs.prefill, runner.graphs.verify] + [runner.graphs.chain] * ((k or 0) > 1)
@@ -506,8 +502,7 @@ def test_eager_verification_after_the_graphed_target_pass(
         engine = tiny_engine(tiny_dir, drafter, k=3, max_batch_size=4, draft_siblings=siblings or 0)
         runner = engine.executor
         if graphed:
-            runner.graphs.target_pass = step_graph_set(runner, CpuStepGraphs).target_pass
-            runner.graphs.target_pass.capture_all()
+            replay_graphs_on_cpu(runner, "target_pass")
         outputs.append([r.output_ids for r in run_to_completion(engine, prompts, params, JOINS)])
     assert outputs[0] == outputs[1]
     assert runner.graphs.target_pass.replays > 10

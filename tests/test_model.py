@@ -12,9 +12,9 @@ from conftest import run_to_completion, tiny_engine, tiny_prompts, write_tiny_ll
 from tiny_models import attach_kv, prefill_batch
 
 from speculative.config import SamplingParams
-from workers.loader import iter_safetensors, load_target_weights
 from workers.models import ModelConfig, load_config
 from workers.models.llama import Llama
+from workers.models.loader import iter_safetensors, load_target_weights
 
 
 def our_llama(model_dir, max_len: int = 128) -> Llama:
@@ -36,7 +36,7 @@ def test_gqa_attention_equals_folded(tmp_path, monkeypatch):
     """Both ways of running the attention (GQA from strided queries, or the query heads folded into
     the query length) give the same logits, for one and for several tokens per row, over cached
     keys."""
-    import workers.attention
+    import workers.layers.attention
 
     model = our_llama(write_tiny_llama(tmp_path / "m", num_heads=4, num_kv_heads=2, seed=5))
     # random pools: rows past each position must stay masked
@@ -44,7 +44,7 @@ def test_gqa_attention_equals_folded(tmp_path, monkeypatch):
     ids = torch.tensor(tiny_prompts(2, seed=3, min_len=5, max_len=5))
     logits = {}
     for gqa in (True, False):
-        monkeypatch.setattr(workers.attention, "use_gqa", lambda *args, gqa=gqa: gqa)
+        monkeypatch.setattr(workers.layers.attention_backend, "use_gqa", lambda *args, gqa=gqa: gqa)
         for T in (5, 1):
             positions = torch.tensor([[7], [11]]) + torch.arange(T)
             hidden, _ = model(ids[:, :T], prefill_batch(model.kv, [0, 1], positions, 32))
@@ -242,7 +242,7 @@ def test_config_json_is_validated(tmp_path, changes, message):
 
 
 def test_supported_configs_pass(smollm2_dir, tmp_path):
-    from workers.loader import RANDOM_SHAPES
+    from workers.models.loader import RANDOM_SHAPES
 
     cfg = ModelConfig.from_hf(load_config(smollm2_dir))
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (
@@ -292,7 +292,7 @@ def test_malformed_files_are_named(tmp_path, damage):
 def test_random_model_config_is_replaced_not_rewritten(tmp_path, monkeypatch):
     """Every TP rank resolves `random:<shape>`: the config is written only when it differs, and
     then replaced whole (a rank reading it never sees a truncated file)."""
-    from workers.loader import resolve_model
+    from workers.models.loader import resolve_model
 
     monkeypatch.setenv("EAGLESERVE_CACHE", str(tmp_path))
     config = resolve_model("random:smollm2-135m") / "config.json"
@@ -412,7 +412,7 @@ def write_tiny_gguf(
     ],
 )
 def test_unsupported_ggufs_are_refused(tmp_path, kwargs, message):
-    from workers.gguf import read_gguf
+    from workers.models.gguf import read_gguf
 
     path = write_tiny_gguf(tmp_path / "m.gguf", **kwargs)
     with pytest.raises(ValueError, match=f"{path}: .*{message}"):
@@ -420,7 +420,7 @@ def test_unsupported_ggufs_are_refused(tmp_path, kwargs, message):
 
 
 def test_truncated_gguf_is_refused(tmp_path):
-    from workers.gguf import read_gguf
+    from workers.models.gguf import read_gguf
 
     path = write_tiny_gguf(tmp_path / "m.gguf")
     data = path.read_bytes()
@@ -435,7 +435,7 @@ def test_gguf_head_dim_from_key_length(tmp_path):
     of ones (plain rope) is skipped."""
     from safetensors.torch import save_file
 
-    from workers.gguf import read_gguf
+    from workers.models.gguf import read_gguf
 
     path = write_tiny_gguf(
         tmp_path / "m.gguf",
@@ -463,7 +463,7 @@ def gguf_cache(tmp_path, monkeypatch):
     none)."""
     from transformers import AutoTokenizer
 
-    from workers import gguf
+    from workers.models import gguf
 
     monkeypatch.setenv("EAGLESERVE_CACHE", str(tmp_path / "cache"))
     calls = []
@@ -484,7 +484,7 @@ def gguf_cache(tmp_path, monkeypatch):
 
 
 def test_gguf_cache_is_keyed_by_path(tmp_path, gguf_cache):
-    from workers.loader import resolve_model
+    from workers.models.loader import resolve_model
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -500,7 +500,7 @@ def test_concurrent_gguf_conversions_convert_once(tmp_path, gguf_cache):
     """Workers resolving one GGUF at once: one converts, the others wait and load its result."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from workers.loader import resolve_model
+    from workers.models.loader import resolve_model
 
     path = write_tiny_gguf(tmp_path / "m.gguf")
     with ThreadPoolExecutor(3) as pool:
@@ -512,7 +512,7 @@ def test_concurrent_gguf_conversions_convert_once(tmp_path, gguf_cache):
 def test_failed_gguf_conversion_leaves_nothing(tmp_path, gguf_cache, monkeypatch):
     from transformers import AutoTokenizer
 
-    from workers.loader import resolve_model
+    from workers.models.loader import resolve_model
 
     def fail(*args, **kwargs):
         raise ValueError("Cannot build a tokenizer from a GGUF file stating tokenizer None")

@@ -11,10 +11,10 @@ from conftest import run_to_completion, tiny_engine, tiny_prompts, write_random_
 from tiny_families import assert_greedy_equal, hf_greedy, write_gguf_twin, write_tiny_family
 
 from speculative.config import SamplingParams
-from workers.loader import resolve_model
+from workers.layers.rotary import Rotary, rope_frequencies
 from workers.models import MODELS, ModelConfig
 from workers.models.config import eos_token_ids
-from workers.rotary import Rotary, rope_frequencies
+from workers.models.loader import resolve_model
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 CASES = [  # (family, rope type, config overrides)

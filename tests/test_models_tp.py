@@ -8,7 +8,7 @@ from conftest import tiny_prompts
 from tiny_families import assert_greedy_equal, hf_greedy, write_tiny_family
 
 from speculative.config import EngineConfig, SamplingParams
-from speculative.coordinator import CoordinatorActor
+from speculative.engine.coordinator import CoordinatorActor
 
 
 @pytest.fixture(scope="module", autouse=True)

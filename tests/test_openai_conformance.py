@@ -34,8 +34,8 @@ CHAT_EOS = [{"role": "user", "content": "Name a fruit."}]  # its next greedy tok
 def model_dir(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from speculative.engine import encode_prompt
-    from workers.loader import load_tokenizer
+    from speculative.engine.llm_engine import encode_prompt
+    from workers.models.loader import load_tokenizer
 
     path = tiny_llama(tmp_path_factory.mktemp("conf") / "tiny", layers=4, max_positions=256)
     config = json.loads((path / "config.json").read_text()) | {"model_type": "llama"}

@@ -13,17 +13,22 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's decorators run
 pytest.importorskip("triton")
 DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
 
-from conftest import run_to_completion, tiny_engine, tiny_prompts  # noqa: E402
-from cpu_graphs import CpuStepGraphs  # noqa: E402
+from conftest import (  # noqa: E402
+    replay_graphs_on_cpu,
+    run_to_completion,
+    tiny_engine,
+    tiny_prompts,
+)
 
-import workers.attention  # noqa: E402
 import workers.cuda_graphs  # noqa: E402
-import workers.paged_attention  # noqa: E402
+import workers.layers.attention  # noqa: E402
+import workers.layers.paged_attention  # noqa: E402
 from speculative.config import SamplingParams  # noqa: E402
 from speculative.draft_tree import tree_layout  # noqa: E402
-from workers.attention import hidden_keys  # noqa: E402
-from workers.kv_cache import ForwardBatch, read_kv  # noqa: E402
-from workers.paged_attention import paged_attention  # noqa: E402
+from workers.layers import attention_backend  # noqa: E402
+from workers.layers.attention import hidden_keys  # noqa: E402
+from workers.layers.kv_cache import ForwardBatch, read_kv  # noqa: E402
+from workers.layers.paged_attention import paged_attention  # noqa: E402
 
 
 def reference(q: torch.Tensor, pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -130,11 +135,11 @@ def test_engine_with_the_kernel_gives_the_reference_paths_tokens(
         calls.append(args[2].tree is not None)
         return paged_attention(*args)
 
-    monkeypatch.setattr(workers.paged_attention, "paged_attention", counted)
+    monkeypatch.setattr(workers.layers.paged_attention, "paged_attention", counted)
     outputs = []
     for kernel in (False, True):
         monkeypatch.setattr(
-            workers.attention, "use_paged_kernel", lambda device, query_len, use=kernel: use
+            attention_backend, "use_paged_kernel", lambda device, query_len, use=kernel: use
         )
         engine = tiny_engine(tiny_dir, drafter_dir, **options)
         requests = run_to_completion(engine, prompts, params, [0, 0, 2, 5])
@@ -149,7 +154,7 @@ def test_engine_picks_the_kernel_by_query_length(tiny_dir, tiny_drafter_dir, mon
     steps, short chunks), the gather past it (long prefill chunks). Mixed in one run, they
     give the gather path's tokens."""
     # a prefill bucket boundary: a padded graph bucket and its eager steps take the same path
-    assert workers.attention.KERNEL_MAX_QUERY in workers.cuda_graphs.kv_buckets(8192, 16)
+    assert attention_backend.KERNEL_MAX_QUERY in workers.cuda_graphs.kv_buckets(8192, 16)
     prompts = tiny_prompts(4, seed=9, min_len=40, max_len=60)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3)
@@ -164,10 +169,10 @@ def test_engine_picks_the_kernel_by_query_length(tiny_dir, tiny_drafter_dir, mon
         gather_rows.append(batch.positions.shape[1])
         return read_kv(cache, batch)
 
-    monkeypatch.setattr(workers.paged_attention, "paged_attention", counted)
-    monkeypatch.setattr(workers.attention, "read_kv", counted_gather)
-    monkeypatch.setattr(workers.attention, "paged_kernel_available", lambda device: True)
-    monkeypatch.setattr(workers.attention, "KERNEL_MAX_QUERY", 16)
+    monkeypatch.setattr(workers.layers.paged_attention, "paged_attention", counted)
+    monkeypatch.setattr(workers.layers.attention, "read_kv", counted_gather)
+    monkeypatch.setattr(attention_backend, "paged_kernel_available", lambda device: True)
+    monkeypatch.setattr(attention_backend, "KERNEL_MAX_QUERY", 16)
     engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3)
     requests = run_to_completion(engine, prompts, params, [0, 0, 3, 3])
     assert [r.output_ids for r in requests] == reference_ids
@@ -186,15 +191,13 @@ def test_graphs_bucket_by_batch_only_with_the_kernel(tiny_dir, tiny_drafter_dir,
     schedule = [0, 2, 4, 6]  # each later prompt prefills alone, past the cached prefix
     engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, max_model_len=512)
     reference_ids = [r.output_ids for r in run_to_completion(engine, prompts, params, schedule)]
-    monkeypatch.setattr(workers.attention, "paged_kernel_available", lambda device: True)
-    monkeypatch.setattr(workers.attention, "KERNEL_MAX_QUERY", 32)
+    monkeypatch.setattr(attention_backend, "paged_kernel_available", lambda device: True)
+    monkeypatch.setattr(attention_backend, "KERNEL_MAX_QUERY", 32)
     engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, max_model_len=512)
     runner = engine.executor
-    runner.graphs = workers.cuda_graphs.step_graph_set(runner, CpuStepGraphs)
+    replay_graphs_on_cpu(runner)
     for graphs in (runner.graphs.verify, runner.graphs.chain):
         assert graphs.lengths == [runner.kv.cache_len]
-    for graphs in runner.graphs.all():
-        graphs.capture_all()
     requests = run_to_completion(engine, prompts, params, schedule)
     assert [r.output_ids for r in requests] == reference_ids
     assert engine.scheduler.kv.manager.stats.num_hit_tokens >= 3 * 304

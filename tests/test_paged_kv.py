@@ -3,12 +3,10 @@ requests and recomputes them, a shared prefix is found in the prefix cache, and 
 a token; a request that could never fit is refused; the pool is whole again afterwards."""
 
 import pytest
-from conftest import run_to_completion, tiny_engine, tiny_prompts
-from cpu_graphs import CpuStepGraphs
+from conftest import replay_graphs_on_cpu, run_to_completion, tiny_engine, tiny_prompts
 
 from speculative.config import SamplingParams
-from speculative.request import RequestError
-from workers.cuda_graphs import prefill_graphs
+from speculative.engine.request import RequestError
 
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 JOINS = [0, 0, 1, 3, 4, 9, 15]  # engine steps before each request joins
@@ -229,8 +227,7 @@ def test_prefills_after_a_cached_prefix_in_the_graphed_function(
     """What the prefill graph runs, padded as it pads, from past a cached prefix: the tokens of
     plain decoding without the cache (tests/test_gpu.py replays the real graph)."""
     engine = tiny_engine(tiny_dir, tiny_drafter_dir if speculative else "none", k=3)
-    graphs = engine.executor.graphs.prefill = prefill_graphs(engine.executor, CpuStepGraphs)
-    graphs.capture_all()
+    graphs = replay_graphs_on_cpu(engine.executor, "prefill").prefill
     outputs = [run_to_completion(engine, [p], GREEDY)[0].output_ids for p in prompts]
     assert outputs == plain_ref
     assert graphs.replays == len(prompts)  # every prefill, all but the first past the prefix

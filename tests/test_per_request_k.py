@@ -7,8 +7,8 @@ import torch
 from conftest import run_to_completion
 
 from speculative.config import SamplingParams
+from speculative.engine.scheduler import RequestError
 from speculative.sampling import target_probs
-from speculative.scheduler import RequestError
 from speculative.verify import verify_greedy, verify_sampled
 
 

@@ -12,11 +12,11 @@ from collections import deque
 import numpy as np
 import pytest
 
-from speculative.block_manager import BlockManager
 from speculative.config import SamplingParams
+from speculative.engine.block_manager import BlockManager
+from speculative.engine.request import RequestError
+from speculative.engine.scheduler import Scheduler
 from speculative.plan import PrefillRow, StepPlan, StepResult
-from speculative.request import RequestError
-from speculative.scheduler import Scheduler
 
 V, EOS, BLOCK = 50, 1, 4  # vocabulary, EOS token, tokens per block
 GARBAGE = -2  # a rejected draft's K/V row

@@ -11,11 +11,11 @@ import torch
 from tiny_models import tiny_llama as _tiny_llama
 
 from speculative.config import EngineConfig, SamplingParams
-from speculative.coordinator import Coordinator, CoordinatorActor
-from speculative.engine import LLMEngine, encode_prompt
-from speculative.executor import EngineDeadError
-from speculative.request import RequestError
-from workers.loader import load_tokenizer, resolve_model
+from speculative.engine.coordinator import Coordinator, CoordinatorActor
+from speculative.engine.executor import EngineDeadError
+from speculative.engine.llm_engine import LLMEngine, encode_prompt
+from speculative.engine.request import RequestError
+from workers.models.loader import load_tokenizer, resolve_model
 
 QUESTIONS = [
     "What is 2+2?",

@@ -11,9 +11,9 @@ from conftest import run_to_completion, tiny_engine, tiny_prompts, write_tiny_ll
 from pydantic import ValidationError
 
 from speculative.config import EngineConfig, SamplingParams
+from speculative.engine.request import RequestError
+from speculative.engine.scheduler import Scheduler
 from speculative.plan import StepResult
-from speculative.request import RequestError
-from speculative.scheduler import Scheduler
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 
@@ -218,7 +218,7 @@ def test_stop_string_cut_is_independent_of_tokens_per_step(tok_dir, stop, expect
     same token as plain decoding (one token a step). The streamed deltas never hold the start of a
     stop string that the next tokens complete (here it spans tokens). Scheduler state machine, fed
     by hand."""
-    from workers.loader import load_tokenizer
+    from workers.models.loader import load_tokenizer
 
     tokenizer = load_tokenizer(tok_dir)
     stream = tokenizer.encode(" one two three four five six seven eight nine ten eleven twelve")
@@ -249,7 +249,7 @@ def test_stop_string_cut_is_independent_of_tokens_per_step(tok_dir, stop, expect
 def test_held_back_text_is_sent_when_the_request_ends(tok_dir, ends_on):
     """Text held back because it may begin a stop string is sent once the request ends without it:
     on EOS, a step that adds no text, or on max_tokens."""
-    from workers.loader import load_tokenizer
+    from workers.models.loader import load_tokenizer
 
     tokenizer = load_tokenizer(tok_dir)
     stream = tokenizer.encode(" one two") + (
@@ -283,7 +283,7 @@ def test_resumed_request_goes_on_from_the_sent_text(tok_dir, text, stop, expecte
     of their text the client has) ends where the undisturbed request ends, stop strings spanning the
     resume point included, and the client's text adds up to the same, with what the first engine
     held back (a possible stop string's start, part of a UTF-8 character) sent by the second."""
-    from workers.loader import load_tokenizer
+    from workers.models.loader import load_tokenizer
 
     tokenizer = load_tokenizer(tok_dir)
     stream = tokenizer.encode(text)
@@ -335,7 +335,7 @@ def test_incremental_detokenizing_equals_whole_decode(tok_dir):
     the tokens per step, through multi-byte characters split across tokens and steps."""
     import random
 
-    from workers.loader import load_tokenizer
+    from workers.models.loader import load_tokenizer
 
     tokenizer = load_tokenizer(tok_dir)
     text = "Grüße aus Köln! 東京タワー 🚀🎉 naïve café, 42 × 7 = 294. \n\tDone: 😀 ok"
@@ -435,7 +435,7 @@ def test_stop_strings_wait_for_min_tokens(tok_dir):
     """A stop string ends the output only where it ends past the text of the first min_tokens
     tokens, as vLLM's; the text stops before it. A request resumed after such a held-back stop
     string (its earlier output in the prompt, nothing left of min_tokens) does not stop on it."""
-    from workers.loader import load_tokenizer
+    from workers.models.loader import load_tokenizer
 
     tokenizer = load_tokenizer(tok_dir)
     stream = tokenizer.encode("one. two. three. four.")

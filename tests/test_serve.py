@@ -207,7 +207,7 @@ def test_logprob_tokens_keep_their_bytes():
     """Tokens holding part of a UTF-8 character: their bytes rebuild the text, their strings are
     vLLM's bytes:\\xNN form, and text offsets point into the text; special tokens take no room."""
     from deployments.logprobs import LogprobFormatter, TextOffsets
-    from workers.loader import load_tokenizer, resolve_model
+    from workers.models.loader import load_tokenizer, resolve_model
 
     tokenizer = load_tokenizer(resolve_model(MODEL))
     text = " 明白 🎉\nhéllo"

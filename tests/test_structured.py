@@ -16,7 +16,7 @@ from conftest import run_to_completion, tiny_engine, tiny_prompts
 from test_lossless import PROMPT, V16, _engine, chi2_pvalue, oracle_drafts, sample_first_three
 
 from speculative.config import SamplingParams, StructuredSpec
-from speculative.engine import encode_prompt
+from speculative.engine.llm_engine import encode_prompt
 from speculative.grammar import GrammarError, Grammars, tool_call_schema
 
 v16_dirs = test_lossless.v16_dirs  # the chi-square machinery's tiny model and drafter
@@ -163,7 +163,7 @@ def test_greedy_smollm2_constrained_with_drafter_equals_without(smollm2_engine, 
     plain = smollm2_constrained(smollm2_engine, smollm2_questions)
     speculative = _smollm2("default")
     assert smollm2_constrained(speculative, smollm2_questions) == plain
-    assert speculative.scheduler.stats.num_draft_accepted > 0
+    assert speculative.engine.scheduler.stats.num_draft_accepted > 0
     decode = smollm2_engine.tokenizer.decode
     person = json.loads(decode(plain[0], skip_special_tokens=True))
     jsonschema.validate(person, PERSON)

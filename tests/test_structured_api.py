@@ -181,7 +181,7 @@ def test_greedy_constrained_with_drafter_equals_plain_decoding(client):
     from conftest import _smollm2
 
     from speculative.config import SamplingParams, StructuredSpec
-    from speculative.engine import encode_prompt
+    from speculative.engine.llm_engine import encode_prompt
 
     questions = ["Describe a person.", "Describe another person, older."]
     served = [

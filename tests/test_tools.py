@@ -11,7 +11,7 @@ from deployments.chat_template import ChatTemplate
 from deployments.config import ServeConfig
 from deployments.protocol import ChatCompletionRequest
 from deployments.tools import parse_hermes, parse_json, parse_llama3_json, parser_for_template
-from workers.loader import load_tokenizer, resolve_model
+from workers.models.loader import load_tokenizer, resolve_model
 
 CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 ARGS = json.dumps(CALL["arguments"])

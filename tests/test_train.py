@@ -16,12 +16,12 @@ from tiny_models import tiny_llama
 
 from speculative.config import EngineConfig, SamplingParams
 from speculative.drafter_format import (
-    dequantize_int8,
     drafter_config_for,
     random_drafter_state,
     save_drafter,
 )
-from speculative.engine import LLMEngine, encode_prompt
+from speculative.drafter_int8 import dequantize_int8
+from speculative.engine.llm_engine import LLMEngine, encode_prompt
 from speculative.train import data as train_data
 from speculative.train import trainer
 from speculative.train.config import DistillConfig, TrainConfig
@@ -42,8 +42,8 @@ from speculative.train.data import (
 from speculative.train.pipeline import train_drafter
 from speculative.train.trainer import init_drafter, load_target, train_step
 from speculative.train.ttt import loss_rows, ttt_loss, ttt_mask
-from workers.loader import load_tokenizer
 from workers.models import ModelConfig, load_config
+from workers.models.loader import load_tokenizer
 
 QUESTIONS = [
     "How many legs do 3 cats have?",

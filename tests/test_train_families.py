@@ -11,10 +11,10 @@ from tiny_families import write_tiny_family
 
 from speculative.config import EngineConfig, SamplingParams
 from speculative.drafter_format import read_drafter_config
-from speculative.engine import LLMEngine, encode_prompt
+from speculative.engine.llm_engine import LLMEngine, encode_prompt
 from speculative.train.config import DistillConfig, TrainConfig
 from speculative.train.pipeline import train_drafter
-from workers.loader import load_tokenizer, resolve_model
+from workers.models.loader import load_tokenizer, resolve_model
 
 
 def family_target(path, family: str):

@@ -6,8 +6,8 @@ import shutil
 import torch
 from safetensors.torch import save_file
 
-from workers.kv_cache import KVCache, KVShape
-from workers.loader import resolve_model
+from workers.layers.kv_cache import KVCache, KVShape
+from workers.models.loader import resolve_model
 
 
 def tiny_llama(path, heads=4, kv_heads=2, layers=6, hidden=64, seed=0, max_positions=1024):

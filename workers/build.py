@@ -13,8 +13,8 @@ from speculative.drafter_format import (
     read_drafter_config,
     resolve_drafter,
 )
-from workers.loader import load_target_weights
 from workers.models import ModelConfig, model_class
+from workers.models.loader import load_target_weights
 
 
 def init_random_(model: torch.nn.Module, keep: torch.nn.Module | None = None) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers import attention
+from workers.layers import attention_backend
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,9 @@ def step_graph_set(runner, graphs_class=StepGraphs) -> StepGraphSet:
     # the gather reads kv_len keys a row, so graphs bucket by it too; the paged kernel reads
     # each row's own keys, so one length serves every step: buckets by batch size only
     cache_len = runner.kv.cache_len
-    lengths = [cache_len] if attention.use_paged_kernel(dev, runner.T) else kv_buckets(cache_len)
+    lengths = (
+        [cache_len] if attention_backend.use_paged_kernel(dev, runner.T) else kv_buckets(cache_len)
+    )
     verifier = runner.verifier
     verify = verifier.decode_step if verifier.whole_step else verifier.greedy
     graphs = StepGraphSet(
@@ -202,7 +204,7 @@ def capture_step_graphs(runner) -> StepGraphSet:
 
 def _capture_in_one_pool(graphs: list[StepGraphs]) -> None:
     # Captured with cuDNN attention, which made plain decoding 1.26x and EAGLE-3 1.31x faster at
-    # batch 8 on the H200 and runs GQA attention without copies (workers/attention.py); eager
+    # batch 8 on the H200 and runs GQA attention without copies (workers/layers/attention.py); eager
     # forwards keep it off (a host-side plan per new shape). EAGLESERVE_CUDNN_IN_GRAPHS=0
     # captures without it.
     use_cudnn = os.environ.get("EAGLESERVE_CUDNN_IN_GRAPHS", "1") != "0"

@@ -12,7 +12,7 @@ the numbers (as vLLM's does): requests are only checked against max_model_len at
 
 from dataclasses import dataclass
 
-from workers.kv_cache import KVShape
+from workers.layers.kv_cache import KVShape
 
 # vLLM's CPU default is 4 GiB (VLLM_CPU_KVCACHE_SPACE). Ours is 1 GiB: SmolLM2 in fp32 takes
 # 46.5 KiB a token, so 1 GiB holds 22544 tokens, 2.7 requests at its 8192 positions (8 slots at
@@ -59,7 +59,7 @@ class GpuMemory:
 def cache_rows(max_model_len: int, k: int, siblings: int, block_size: int) -> int:
     """KV rows per request, in whole blocks: room for K+1 tokens past the last real one, twice (a
     step in flight may overrun a finished request), and for the verify pass's siblings past the
-    chain (speculative/block_manager.py's RequestBlocks counts the same)."""
+    chain (speculative/engine/block_manager.py's RequestBlocks counts the same)."""
     rows = max_model_len + 2 * (k + 1) + k * siblings + 1
     return -(-rows // block_size) * block_size
 

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from speculative.config import MAX_STOP_IDS, SamplingParams
 from speculative.plan import PrefillRow, StepPlan
 from workers.cuda_graphs import capture_step_graphs
-from workers.kv_cache import bytes_per_token, kv_shapes
 from workers.kv_sizing import (
     GpuMemory,
     PoolSize,
@@ -23,6 +22,7 @@ from workers.kv_sizing import (
     slots_that_fit,
     static_pool_size,
 )
+from workers.layers.kv_cache import bytes_per_token, kv_shapes
 
 log = logging.getLogger(__name__)
 

@@ -18,17 +18,17 @@ from speculative.plan import StepPlan
 from speculative.proposer import DraftSeed, Proposer
 from speculative.resource_manager import Eagle3ResourceManager
 from speculative.sampling import process_logits, prompt_logprobs, sample_one, token_logprobs
-from workers import attention
+from speculative.slot_state import SlotState
 from workers.build import load_models, weight_bytes
 from workers.cuda_graphs import StepGraphSet, capture_step_graphs
 from workers.device import pick_device, pick_dtype
-from workers.kv_cache import KVCache
 from workers.kv_sizing import PoolSize, cache_rows
-from workers.layers import tp_rank_size
-from workers.loader import resolve_model
+from workers.layers import attention_backend
+from workers.layers.kv_cache import KVCache
+from workers.layers.parallel import tp_rank_size
 from workers.memory_profile import memory_at_start, size_pool
 from workers.models import ModelConfig
-from workers.slot_state import SlotState
+from workers.models.loader import resolve_model
 from workers.step_io import StepOutput, prepare_inputs, send_back
 from workers.sync_guard import no_host_sync
 from workers.verifier import Verifier
@@ -177,7 +177,7 @@ class ModelRunner:
         # chunks that end short of the prompt run eagerly, and so do those after a cached prefix
         # long enough to pad them into a much larger graph than the chunk alone; but rows the
         # kernel reads replay their own length's graph, whatever the prefix (_prefill_graphed)
-        graph_len = T if attention.use_paged_kernel(self.device, T) else kv_len
+        graph_len = T if attention_backend.use_paged_kernel(self.device, T) else kv_len
         last = all(p.next_token < 0 for p in plan.prefills)
         bucket = graphs.bucket_length(graph_len) if graphs is not None else None
         cheap = bucket is not None and bucket <= max(2 * graphs.bucket_length(T), SHORT_PREFILL)
@@ -218,7 +218,7 @@ class ModelRunner:
     def _prefill_graphed(self, slots, lens, starts, ids, kv_len: int) -> tuple:
         """The prefill graphs' function: a bucket of rows the paged kernel reads (each row's own
         keys) gets the whole cache's block table, so it serves a chunk past any cached prefix."""
-        if attention.use_paged_kernel(self.device, ids.shape[1]):
+        if attention_backend.use_paged_kernel(self.device, ids.shape[1]):
             kv_len = self.kv.cache_len
         return self._prefill_greedy(slots, lens, starts, ids, kv_len)
 

@@ -9,7 +9,7 @@ import torch
 
 from speculative.config import MAX_LOGIT_BIAS, MAX_STOP_IDS
 from speculative.plan import StepPlan, StepResult
-from workers.slot_state import SAMPLING_FIELDS
+from speculative.slot_state import SAMPLING_FIELDS
 
 
 @dataclass

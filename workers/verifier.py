@@ -14,10 +14,10 @@ from speculative.plan import StepPlan
 from speculative.proposer import DraftSeed, Proposer
 from speculative.resource_manager import Eagle3ResourceManager
 from speculative.sampling import process_logits, slot_probs, token_logprobs
+from speculative.slot_state import SlotState
 from speculative.verify import verify_greedy, verify_seeded
 from workers.cuda_graphs import StepGraphs, StepGraphSet
-from workers.kv_cache import KVCache
-from workers.slot_state import SlotState
+from workers.layers.kv_cache import KVCache
 
 
 class Verifier:

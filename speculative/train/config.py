@@ -77,7 +77,7 @@ class TrainConfig(BaseModel):
     fit_steps_to_time: bool = False  # shrink max_steps so the LR schedule ends in time
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # of the frozen target and autocast
-    # int8: 2-D weights as int8 with a scale per row (drafter.quantize_int8), to fit a size cap
+    # int8: 2-D weights as int8 with a scale per row (drafter_int8.quantize_int8), to fit a size cap
     export_dtype: Literal["float32", "bfloat16", "int8"] = "bfloat16"
     # split the exported weights into files of at most this
     export_shard_mb: float | None = Field(None, gt=0)

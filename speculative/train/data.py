@@ -157,7 +157,7 @@ def distill_order(cfg: DistillConfig, tokenizer, skip: int = 0):
     `num_prompts` counts from the start of the order. A prompt's parameters depend on the seed and
     its place in the order only, so jobs that continue each other give what one job would."""
     from speculative.config import SamplingParams
-    from speculative.engine import encode_chats
+    from speculative.engine.llm_engine import encode_chats
 
     texts = prompt_order(read_prompts(cfg.prompt_files), cfg)
     chunk = 4 * cfg.max_batch_size
@@ -265,7 +265,7 @@ def self_distill_in_processes(engine_cfg, cfg: DistillConfig, skip: int = 0) -> 
     import multiprocessing
     import threading
 
-    from workers.loader import load_tokenizer, resolve_model
+    from workers.models.loader import load_tokenizer, resolve_model
 
     ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
     jobs, results = ctx.Queue(maxsize=cfg.max_batch_size), ctx.Queue()
@@ -311,7 +311,7 @@ def self_distill_in_processes(engine_cfg, cfg: DistillConfig, skip: int = 0) -> 
 
 
 def _distill_worker(engine_cfg, jobs, results) -> None:
-    from speculative.engine import LLMEngine
+    from speculative.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(engine_cfg)
     results.put("ready")

@@ -26,11 +26,11 @@ def distill(cfg: TrainConfig) -> TokenStore:
     """Regenerate training responses with the target through our own engine, continuing after the
     prompts that the parts already in the data directory cover."""
     from speculative.config import EngineConfig
-    from speculative.engine import LLMEngine
+    from speculative.engine.llm_engine import LLMEngine
     from workers.device import pick_device, pick_dtype
     from workers.kv_sizing import full_length_gb
-    from workers.loader import resolve_model
     from workers.models import ModelConfig
+    from workers.models.loader import resolve_model
 
     d = cfg.distill
     if not d.prompt_files:

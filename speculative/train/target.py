@@ -4,7 +4,7 @@ distribution over the draft vocabulary, recomputed for every training batch (nev
 import torch
 import torch.nn.functional as F
 
-from workers.attention import CachedAttention
+from workers.layers.attention import CachedAttention
 from workers.models import DecoderModel
 
 

@@ -20,18 +20,18 @@ from speculative.drafter_format import (
     drafter_config_for,
     drafter_state_dict,
     load_drafter,
-    quantize_int8,
     random_drafter_state,
     save_drafter,
 )
+from speculative.drafter_int8 import quantize_int8
 from speculative.train.config import TrainConfig
 from speculative.train.data import TokenStore, batches, collate, draft_vocab, load_data
 from speculative.train.target import target_draft_probs, target_features
 from speculative.train.ttt import loss_rows, ttt_forward, ttt_loss
 from workers.device import pick_device, pick_dtype
-from workers.layers import VocabParallelEmbedding
-from workers.loader import load_target_weights, resolve_model
+from workers.layers.parallel import VocabParallelEmbedding
 from workers.models import DecoderModel, ModelConfig, load_config, model_class
+from workers.models.loader import load_target_weights, resolve_model
 
 log = logging.getLogger(__name__)
 

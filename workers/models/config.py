@@ -5,7 +5,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workers.rotary import ROPE_TYPES
+from workers.layers.rotary import ROPE_TYPES
 
 log = logging.getLogger(__name__)
 

@@ -6,17 +6,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.attention import AttentionInputs, CachedAttention, attention_inputs
-from workers.kv_cache import ForwardBatch
-from workers.layers import (
+from workers.layers.attention import AttentionInputs, CachedAttention, attention_inputs
+from workers.layers.kv_cache import ForwardBatch
+from workers.layers.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from workers.layers.rotary import Rotary
 from workers.models.config import ModelConfig
-from workers.rotary import Rotary
 
 
 class MLP(nn.Module):

@@ -1,4 +1,4 @@
-"""Llama 1, 2 and 3.x (every RoPE variant of workers/rotary.py): the shared decoder as it is."""
+"""Llama 1, 2 and 3.x (every RoPE variant of layers/rotary.py): the shared decoder as it is."""
 
 from workers.models.decoder import DecoderLayer, DecoderModel
 

@@ -1,13 +1,13 @@
 """How a step's token budget (`max_num_batched_tokens`) is filled: the running requests' verify
 tokens first, then prefill chunks (a prompt longer than the budget takes several steps while
 running streams keep decoding), and admission of a waiting request with the prefix cache's blocks
-and blocks for its first chunk. The scheduler (speculative/scheduler.py) owns one planner and keeps
+and blocks for its first chunk. The scheduler (engine/scheduler.py) owns one planner and keeps
 the queues; the planner reads its running requests and changes only the requests it plans."""
 
 from speculative.config import SamplingParams
+from speculative.engine.request import Request, RequestError
+from speculative.engine.request_blocks import RequestBlocks
 from speculative.plan import PrefillRow
-from speculative.request import Request, RequestError
-from speculative.request_blocks import RequestBlocks
 
 
 class PrefillPlanner:

@@ -4,7 +4,7 @@ workers/kv_sizing.py), and addressing their rows.
 Layout per layer: [2 (k, v), num_blocks + 1, block_size, kv_heads, head_dim]; the last block is a
 dummy that padding tokens (and rows past a request's blocks) write into. block_table[slot, i] is
 the block holding positions i * block_size.. of the request in that slot; the scheduler's block
-manager (speculative/block_manager.py) decides it and each plan carries the changes. A token at
+manager (speculative/engine/) decides it and each plan carries the changes. A token at
 position p is written at row p of its request, so a rejected draft costs nothing: its row is
 simply overwritten by the next token at p. Without block updates in the plans (plans built by
 hand), slot s owns blocks s * max_blocks.. as a contiguous per-slot cache."""

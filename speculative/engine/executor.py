@@ -231,8 +231,8 @@ def _alive(pid: int) -> bool:
 
 def check_tp_size(cfg: EngineConfig) -> None:
     """Fail before placing anything if the model's heads do not split over the ranks."""
-    from workers.loader import resolve_model
     from workers.models import load_config
+    from workers.models.loader import resolve_model
 
     model = load_config(resolve_model(cfg.model))
     heads = model["num_attention_heads"]

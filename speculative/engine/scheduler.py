@@ -16,15 +16,15 @@ from collections import deque
 
 import torch
 
-from speculative.block_manager import BlockManager
-from speculative.chunked_prefill import PrefillPlanner
 from speculative.config import SamplingParams
-from speculative.detokenizer import append_tokens, detokenize
+from speculative.engine.block_manager import BlockManager
+from speculative.engine.chunked_prefill import PrefillPlanner
+from speculative.engine.detokenizer import append_tokens, detokenize
+from speculative.engine.intake import RequestIntake
+from speculative.engine.request import Request, RequestError, RequestOutput, StepStats, row_logprobs
+from speculative.engine.request_blocks import RequestBlocks
 from speculative.grammar import bitmask_width
-from speculative.intake import RequestIntake
 from speculative.plan import PrefillRow, StepPlan, StepResult, step_flags
-from speculative.request import Request, RequestError, RequestOutput, StepStats, row_logprobs
-from speculative.request_blocks import RequestBlocks
 
 log = logging.getLogger(__name__)
 

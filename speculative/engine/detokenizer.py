@@ -3,7 +3,7 @@ stop strings) and its text, detokenized incrementally (vLLM's rules: a stop stri
 before it, a stream never sends the start of one, and with min_tokens it counts only where it ends
 past the first min_tokens tokens' text)."""
 
-from speculative.request import Request
+from speculative.engine.request import Request
 
 
 def text_ids(r: Request) -> list[int]:

@@ -1,4 +1,4 @@
-"""Attention math over what the KV cache (workers/kv_cache.py) hands it, shared by the target and
+"""Attention math over what the KV cache (kv_cache.py) hands it, shared by the target and
 the drafter.
 
 A small model's step is bound by how many kernels it runs, not by their work, so each layer keeps
@@ -15,17 +15,16 @@ per row and for prefills, and for a few tokens per row (the verify pass) while b
 in one wave over the SMs; past that, folding packs the rows better and is up to 3x faster.
 """
 
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.kv_cache import ForwardBatch, read_kv, write_kv
-from workers.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, tp_rank_size
-from workers.rotary import Rotary
+from workers.layers import attention_backend
+from workers.layers.kv_cache import ForwardBatch, read_kv, write_kv
+from workers.layers.parallel import ColumnParallelLinear, RMSNorm, RowParallelLinear, tp_rank_size
+from workers.layers.rotary import Rotary
 
 
 @dataclass
@@ -38,60 +37,6 @@ class AttentionInputs:
     sin: torch.Tensor
     bias: torch.Tensor | None  # None: the paged kernel masks as it reads
     gqa: bool
-
-
-# query tokens a row up to which the paged kernel runs (decode, verify, draft steps and short
-# prefill chunks); past it the gather + SDPA runs, as flash attention over the gathered blocks
-# wins on long query rows (at 512 the kernel took 1.25x the gather's time on an H100:
-# benchmarks/h100_2026-12-06b/). A graph bucket boundary, so a padded bucket and the eager
-# step it stands for take the same path
-KERNEL_MAX_QUERY = 128
-
-
-@functools.cache
-def paged_kernel_available(device: torch.device) -> bool:
-    """On CUDA with Triton, unless EAGLESERVE_PAGED_ATTENTION=0 (the gather always, for A/B)."""
-    if device.type != "cuda" or os.environ.get("EAGLESERVE_PAGED_ATTENTION") == "0":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def use_paged_kernel(device: torch.device, query_len: int) -> bool:
-    """The Triton kernel over the block table (workers/paged_attention.py) for rows of up to
-    KERNEL_MAX_QUERY tokens; otherwise the reference: gather the blocks, then SDPA."""
-    return query_len <= KERNEL_MAX_QUERY and paged_kernel_available(device)
-
-
-@functools.cache
-def num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def use_gqa(
-    device: torch.device,
-    dtype: torch.dtype,
-    batch_size: int,
-    tokens: int,
-    heads: int,
-    head_dim: int,
-) -> bool:
-    """Whether cuDNN's GQA attention runs this shape, and faster than folding (sdpa_probe.py).
-    Anything cuDNN cannot run would fall back to the math kernel, many times slower: fold instead.
-    EAGLESERVE_GQA=0 always folds (for A/B runs)."""
-    if (
-        device.type != "cuda"
-        or dtype not in (torch.bfloat16, torch.float16)
-        or head_dim > 128
-        or head_dim % 8
-        or not torch.backends.cuda.cudnn_sdp_enabled()
-        or os.environ.get("EAGLESERVE_GQA") == "0"
-    ):
-        return False
-    return tokens == 1 or tokens >= 64 or batch_size * heads <= num_sms(device)
 
 
 def hidden_keys(batch: ForwardBatch) -> torch.Tensor:
@@ -114,8 +59,8 @@ def attention_inputs(
     B, T = batch.positions.shape
     device = batch.positions.device
     if gqa is None:
-        gqa = use_gqa(device, dtype, B, T, attn.heads, attn.head_dim)
-    if use_paged_kernel(device, T):  # the kernel masks as it reads
+        gqa = attention_backend.use_gqa(device, dtype, B, T, attn.heads, attn.head_dim)
+    if attention_backend.use_paged_kernel(device, T):  # the kernel masks as it reads
         return AttentionInputs(cos, sin, None, gqa)
     hidden = hidden_keys(batch)
     bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
@@ -187,8 +132,8 @@ class CachedAttention(nn.Module):
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         qk, v = self.rotated_qkv(x, inputs.cos, inputs.sin)
         write_kv(self.cache, batch, qk[:, :, H:], v)
-        if use_paged_kernel(x.device, T):
-            from workers.paged_attention import paged_attention
+        if attention_backend.use_paged_kernel(x.device, T):
+            from workers.layers.paged_attention import paged_attention
 
             out = paged_attention(qk[:, :, :H], self.cache, batch)  # [B, T, H, D]
             return self.o_proj(out.reshape(B, T, H * D))

@@ -11,8 +11,8 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from workers.gguf import convert_gguf_cached
 from workers.models.config import read_json
+from workers.models.gguf import convert_gguf_cached
 
 log = logging.getLogger(__name__)
 

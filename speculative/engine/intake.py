@@ -4,12 +4,12 @@ new Request as the scheduler queues it: its seed and K, its grammar, a resumed r
 
 import itertools
 
-from speculative.chunked_prefill import PrefillPlanner
 from speculative.config import MAX_STOP_IDS, SamplingParams
-from speculative.detokenizer import decode
+from speculative.engine.chunked_prefill import PrefillPlanner
+from speculative.engine.detokenizer import decode
+from speculative.engine.request import Request, RequestError
+from speculative.engine.request_blocks import RequestBlocks
 from speculative.grammar import GrammarError, Grammars, RequestGrammar
-from speculative.request import Request, RequestError
-from speculative.request_blocks import RequestBlocks
 
 
 class RequestIntake:

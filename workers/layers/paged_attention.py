@@ -1,5 +1,5 @@
 """Attention straight over the paged KV pool, in Triton, with no dense copy of a request's K/V
-(the reference path in workers/attention.py gathers the blocks and runs SDPA; tests compare the
+(the reference path in attention.py gathers the blocks and runs SDPA; tests compare the
 two under TRITON_INTERPRET=1).
 
 A program takes one row, one KV head and a tile of query rows: the (token, query head) pairs of
@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.attention import num_sms
-from workers.kv_cache import ForwardBatch
+from workers.layers.attention_backend import num_sms
+from workers.layers.kv_cache import ForwardBatch
 
 BLOCK_N = 64  # keys per tile
 MIN_SPLIT_KEYS = 128  # a split reads at least this many keys (a multiple of BLOCK_N)

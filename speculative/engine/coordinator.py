@@ -1,4 +1,4 @@
-"""The coordinator: the decode loop that drives the tensor-parallel group (`speculative.executor`).
+"""The coordinator: the decode loop that drives the tensor-parallel group (`executor.py`).
 `Coordinator` runs the overlapped loop of `LLMEngine` over a `RayExecutor` in a thread and streams
 each request's tokens as they are accepted; `CoordinatorActor` is the same as a Ray actor."""
 
@@ -12,9 +12,9 @@ import uuid
 import ray
 
 from speculative.config import EngineConfig, SamplingParams
-from speculative.engine import LLMEngine
-from speculative.executor import EngineDeadError, RayExecutor
-from speculative.request import RequestError
+from speculative.engine.executor import EngineDeadError, RayExecutor
+from speculative.engine.llm_engine import LLMEngine
+from speculative.engine.request import RequestError
 
 log = logging.getLogger(__name__)
 

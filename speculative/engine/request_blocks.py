@@ -1,11 +1,11 @@
-"""The scheduler's side of the paged KV pool (speculative/block_manager.py): a request's blocks.
+"""The scheduler's side of the paged KV pool (block_manager.py): a request's blocks.
 
 How many blocks a request needs for a step, growing its block list (and the plan's block-table
 updates), the prefix cache's blocks at admission, giving blocks back, and each step's reservation:
 blocks for every row the step writes, oldest request first, preempting the newest where the pool
 runs out (recompute: a preempted request gives all its blocks back and is prefilled again later)."""
 
-from speculative.block_manager import BlockManager
+from speculative.engine.block_manager import BlockManager
 
 
 class RequestBlocks:

@@ -5,10 +5,10 @@ import itertools
 import logging
 from collections import deque
 
-from speculative.block_manager import BlockManager
 from speculative.config import EngineConfig, SamplingParams
-from speculative.request import Request, RequestOutput
-from speculative.scheduler import Scheduler
+from speculative.engine.block_manager import BlockManager
+from speculative.engine.request import Request, RequestOutput
+from speculative.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,8 @@ def eos_ids(tokenizer, model_dir) -> set[int]:
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, executor=None):
-        from workers.loader import load_tokenizer, resolve_model
         from workers.models import load_config
+        from workers.models.loader import load_tokenizer, resolve_model
 
         self.cfg = cfg
         model_dir = resolve_model(cfg.model)
