@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The draft tree on the H200 (session 13). PARTS picks (default all), each in its own device call:
-#   checks      tests/test_gpu.py (graphs equal eager with the tree, no host sync)
-#   acceptance  acceptance length, K=3 and 5, greedy and T=0.7, siblings 0 (the chain), 1 and 2,
-#               on every set (the sets ship in deployments/data)
-#   speed       bench: plain, EAGLE-3 K=3 and K=5 with siblings 0 and 1, batch 1, 8, 32, graphs, overlap
-#   eagerverify bench: EAGLE-3 K=5 greedy, sampled (T=0.8) and with logprobs, batch 1 and 8: what steps
-#               that verify eagerly after the graphed target pass cost (not run yet; session 13 measured
-#               logprobs 10x slower before that pass was graphed)
+# Serving speed and acceptance on one GPU (BENCHMARKS.md, "Serving throughput" and "Acceptance").
+# PARTS picks (default all), each in its own device call:
+#   checks      tests/test_gpu.py (graphs equal eager, the draft tree included; no host sync)
+#   acceptance  benchmarks/acceptance.py: K=3 and 5, greedy and T=0.7, siblings 0 (the chain), 1
+#               and 2, on every set (the sets ship in deployments/data)
+#   speed       eagleserve bench: plain, EAGLE-3 K=3 and K=5 with siblings 0 and 1, batch 1, 8, 32,
+#               graphs, overlap
+#   eagerverify eagleserve bench: EAGLE-3 K=5 greedy, sampled (T=0.8) and with logprobs, batch 1
+#               and 8: what steps that verify eagerly after the graphed target pass cost (not run
+#               yet; on 2026-12-05 logprobs were 10x slower, before that pass was graphed)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 PARTS=" ${PARTS:-checks acceptance speed eagerverify} "

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 32's GPU jobs on one H100 (or H200). PARTS picks (default all: about 6 minutes, so split
+# The benchmark scripts on one H100 (or H200). PARTS picks (default all: about 6 minutes, so split
 # them over two device calls of at most 600 s: "floor families" and "structured paged", whose
 # timeouts add up to 540 s each). Each part runs under its own timeout (seconds: FLOOR_TIMEOUT,
 # ...), tees its log to $OUT/<part>.log and writes its JSON under $OUT:

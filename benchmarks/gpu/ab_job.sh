@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The rooms refactor on one GPU (no regression). PARTS picks, each in its own device call:
+# The GPU checks, and a change against its base on one GPU (is it slower?). PARTS picks, each in
+# its own device call:
 #   checks  tests/test_gpu.py on this tree (graphs equal eager, speculative equals plain, no host
-#           sync, the eager verification after the graphed target pass)
-#   bench   plain and EAGLE-3 K=5, overlap on, graphs on, batch 1, 8, 32, GSM8K test prompts,
-#           256 tokens: the base checkout (.device/base, `git archive <base> | tar -x`) and this
-#           tree, alternately (base, head, base, head) on the same warm machine; TREES lists
-#           other NAME:DIR checkouts to bench in turn
+#           sync, the eager verification after the graphed target pass, ...)
+#   bench   eagleserve bench, plain and EAGLE-3 K=5, overlap on, graphs on, batch 1, 8, 32, GSM8K
+#           test prompts, 256 tokens: the base checkout (.device/base, `git archive <base> | tar
+#           -x`) and this tree, one after the other (ROUNDS="1 2": base, head, base, head) on the
+#           same warm machine; TREES lists other NAME:DIR checkouts to bench in turn
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 ROOT=$PWD
