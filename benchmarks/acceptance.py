@@ -2,7 +2,7 @@
 benchmark sets and GSM8K test, chat template applied, for several K and temperatures.
 
     python benchmarks/acceptance.py --drafter speculative/drafters/smollm2-135m --k 3 5 \
-        --temperatures 0 0.7 --output benchmarks/acceptance_smollm2.json
+        --temperatures 0 0.7 --output benchmarks/acceptance.json
 """
 
 import argparse

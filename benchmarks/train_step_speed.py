@@ -1,13 +1,13 @@
 """Drafter training steps per second, two ways on the same batches in one run: the LM heads (the
 target's draft-vocabulary distributions, the drafter's at every depth) and the loss over every
-row of the batch, as training ran up to session 6, and over only the rows that carry weight
+row of the batch, as training ran before commit 9579d71, and over only the rows that carry weight
 (`loss_rows`: prompt rows and padding skipped), as it runs now. A step is the whole `train_step`
 (target recompute, TTT forward, loss) plus backward and the optimizer. Batches are GSM8K training
 questions (chat template) with their reference answers as responses, or distilled parts with --data.
 
     python benchmarks/train_step_speed.py --device cpu --data DIR --batch-tokens 2048 --steps 6 \
         -o FILE
-    python benchmarks/train_step_speed.py --device cuda --data /tmp/eagle/data -o FILE  # the H200
+    python benchmarks/train_step_speed.py --device cuda --data /tmp/eagle/data -o FILE  # a GPU
 """
 
 import argparse

@@ -4,8 +4,7 @@ allowed) of each step's verify positions, which sampling.py applies to the logit
 
 xgrammar, not llguidance: on SmolLM2's 49152-token vocabulary its bitmask takes 2 us (median)
 against llguidance's 15 us, and the host fills K+1 of them per request per step; compiling a JSON
-schema takes 11 ms against 1 ms, once per schema thanks to the cache (benchmarks/grammar_libs.py,
-grammar_libs_cpu.json).
+schema takes 11 ms against 1 ms, once per schema thanks to the cache (docs/STRUCTURED_OUTPUTS.md).
 
 Under speculation the mask of verify position j is the grammar's state after the output and drafts
 1..j: the matcher is advanced along the drafts and rolled back. A draft the grammar forbids is cut

@@ -131,7 +131,7 @@ def test_ttt_loss_weighs_prompt_positions():
 
 
 def old_ttt_loss(logits, target_probs, is_in_draft, lengths, prompt_lens, decay, prompt_weight):
-    """The loss as it was defined up to session 6, over every row of the padded
+    """The loss as it was defined before commit 9579d71, over every row of the padded
     batch: the reference."""
     B, T, _ = target_probs.shape
     t = torch.arange(T).view(1, T)

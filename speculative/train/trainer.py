@@ -143,7 +143,7 @@ def init_drafter(
         # The target's rows as they are start far from the trained ones (SmolLM2, 8192 -> 24576
         # tokens: depth-0 accuracy 0.21 against the source's 0.69); the affine map that best takes
         # the target's rows of the source's tokens to the source's rows brings them along (0.65;
-        # benchmarks/init_from_probe.py).
+        # BENCHMARKS.md, answered questions).
         if len(source_ids) < 2 * (source_head.shape[1] + 1):
             log.warning(
                 "init_from %s has %d draft tokens, few for fitting the map of %d-wide head rows: "

@@ -10,9 +10,10 @@ together, and keys and values are gathered together. The attention itself runs o
 - Folded: the query heads of a KV group are folded into the query length, so the attention is plain
   multi-head attention over the KV heads, which the memory-efficient kernel runs with a mask; it
   costs copies of the queries, the mask and (for several tokens per row) the output.
-`benchmarks/sdpa_probe.py` measured both in graphs on the H200: GQA is 1.2-3.4x faster for one token
-per row and for prefills, and for a few tokens per row (the verify pass) while batch x heads fits
-in one wave over the SMs; past that, folding packs the rows better and is up to 3x faster.
+Measured in graphs on the H200 (BENCHMARKS.md, answered questions): GQA is 1.2-3.4x faster for
+one token per row and for prefills, and for a few tokens per row (the verify pass) while batch x
+heads fits in one wave over the SMs; past that, folding packs the rows better and is up to 3x
+faster.
 """
 
 from dataclasses import dataclass

@@ -11,7 +11,7 @@ import torch
 # query tokens a row up to which the paged kernel runs (decode, verify, draft steps and short
 # prefill chunks); past it the gather + SDPA runs, as flash attention over the gathered blocks
 # wins on long query rows (at 512 the kernel took 1.25x the gather's time on an H100:
-# benchmarks/h100_2026-12-06b/). A graph bucket boundary, so a padded bucket and the eager
+# benchmarks/results/2026-12-06-h100/). A graph bucket boundary, so a padded bucket and the eager
 # step it stands for take the same path
 KERNEL_MAX_QUERY = 128
 
@@ -47,7 +47,8 @@ def use_gqa(
     heads: int,
     head_dim: int,
 ) -> bool:
-    """Whether cuDNN's GQA attention runs this shape, and faster than folding (sdpa_probe.py).
+    """Whether cuDNN's GQA attention runs this shape, and faster than folding (measured on
+    an H200: BENCHMARKS.md, answered questions).
     Anything cuDNN cannot run would fall back to the math kernel, many times slower: fold instead.
     EAGLESERVE_GQA=0 always folds (for A/B runs)."""
     if (
