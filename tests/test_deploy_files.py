@@ -22,10 +22,14 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from pydantic import ValidationError
-from ray._common.utils import import_attr
+from ray.serve import Application
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
-from ray.serve.deployment import Application
 from ray.serve.schema import ServeDeploySchema
+
+try:  # how Serve resolves an import_path
+    from ray._common.utils import import_attr
+except ImportError:  # older Ray
+    from ray._private.utils import import_attr
 
 from deployments.config import ServeConfig
 
