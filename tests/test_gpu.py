@@ -286,7 +286,7 @@ def test_gqa_attention_equals_folded_under_cudnn():
     tokens, must give it too."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    import workers.layers.attention
+    import workers.layers.attention_backend
     from workers.layers.attention import CachedAttention, attention_inputs
     from workers.layers.attention_backend import use_gqa
     from workers.layers.kv_cache import ForwardBatch

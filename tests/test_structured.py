@@ -163,7 +163,7 @@ def test_greedy_smollm2_constrained_with_drafter_equals_without(smollm2_engine, 
     plain = smollm2_constrained(smollm2_engine, smollm2_questions)
     speculative = _smollm2("default")
     assert smollm2_constrained(speculative, smollm2_questions) == plain
-    assert speculative.engine.scheduler.stats.num_draft_accepted > 0
+    assert speculative.scheduler.stats.num_draft_accepted > 0
     decode = smollm2_engine.tokenizer.decode
     person = json.loads(decode(plain[0], skip_special_tokens=True))
     jsonschema.validate(person, PERSON)
