@@ -4,6 +4,7 @@ the replica's bundle plus one per rank, STRICT_PACK) and the coordinator that dr
 import asyncio
 import logging
 import os
+import time
 
 import ray
 from ray import serve
@@ -16,6 +17,9 @@ from speculative.config import SamplingParams
 from speculative.engine.request import RequestError, RequestOutput
 
 log = logging.getLogger("eagleserve.server")
+# a report (a metrics snapshot, about 1 ms, and an actor call) after a request at most this often;
+# the health checks report every 2 s besides
+REPORT_AFTER_REQUEST_S = 1.0
 
 
 @serve.deployment
@@ -32,9 +36,14 @@ class LLMServer:
             cfg.model_name, self.replica_id, self.coordinator.engine.scheduler.max_model_len
         )
         self.registry = registry(context.app_name)  # /metrics and /health read every replica's
+        self.reported_at = 0.0
         self._report()
 
-    def _report(self) -> None:
+    def _report(self, after_request: bool = False) -> None:
+        now = time.monotonic()
+        if after_request and now - self.reported_at < REPORT_AFTER_REQUEST_S:
+            return
+        self.reported_at = now
         self.registry.report.remote(self.replica_id, self.stats())
 
     def __del__(self):
@@ -86,7 +95,7 @@ class LLMServer:
             timer.finish("abort")  # the caller went away (counted once: a finished one stays)
             c.abort(request_id)
             log.info("request %s: done", request_id)
-            self._report()
+            self._report(after_request=True)
 
     def stats(self) -> dict:
         """The engine's statistics and this replica's metrics (a snapshot for /metrics)."""
