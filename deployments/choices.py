@@ -27,7 +27,6 @@ class Choice:
     is_prompt_only: bool = False  # max_tokens 0: the prompt's log-probabilities, no output
     stream: object = None  # the Serve response in progress, to cancel
     tokens: int = 0  # output tokens so far
-    last: float = 0.0  # when the last ones came
     finish: str | None = None
     text: list[str] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
@@ -160,8 +159,7 @@ class ChoiceRun:
     def __init__(self, ingress, request_id: str, choices: list[Choice], prompt_tokens: int):
         rid = f"{request_id}/{uuid.uuid4().hex[:8]}"
         single = len(choices) == 1
-        self.ingress, self.metrics, self.choices = ingress, ingress.metrics, choices
-        self.prompt_tokens, self.start = prompt_tokens, time.perf_counter()
+        self.ingress, self.choices, self.prompt_tokens = ingress, choices, prompt_tokens
         self.outputs = [
             generate(ingress, rid if single else f"{rid}-{c.index}", c) for c in choices
         ]
@@ -184,7 +182,6 @@ class ChoiceRun:
             self.cancel()
             raise as_api_error(errors[0]) from None
         self.firsts = firsts
-        self.metrics.prompt_tokens += self.prompt_tokens
 
     async def _choice_items(self, i: int):
         if self.firsts[i] is not None:
@@ -209,15 +206,7 @@ class ChoiceRun:
             self.cancel()
 
     def _observe(self, choice: Choice, item: RequestOutput) -> None:
-        t, n = time.perf_counter(), len(item.new_token_ids)
-        if n:
-            if not any(c.tokens for c in self.choices):
-                self.metrics.ttft.observe(t - self.start)
-            elif choice.tokens:
-                self.metrics.itl.observe((t - choice.last) / n)
-            choice.last = t
-        choice.tokens += n
-        self.metrics.completion_tokens += n
+        choice.tokens += len(item.new_token_ids)
         choice.finish = item.finish_reason or choice.finish
 
     def usage(self) -> dict:

@@ -60,7 +60,7 @@ async def _request_id(request: Request, call_next):
     request.state.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     response = await call_next(request)
     if request.url.path in ENDPOINTS:  # every status, errors too (a stream's is 200 once it starts)
-        ingress_metrics().requests[(ENDPOINTS[request.url.path], response.status_code)] += 1
+        ingress_metrics().count(ENDPOINTS[request.url.path], response.status_code)
     return response
 
 

@@ -4,17 +4,22 @@ the replica's bundle plus one per rank, STRICT_PACK) and the coordinator that dr
 import asyncio
 import logging
 import os
+import time
 
 import ray
 from ray import serve
 
 from deployments.api_errors import APIError
 from deployments.config import ServeConfig
+from deployments.replica_metrics import ReplicaMetrics
 from deployments.replicas import registry
 from speculative.config import SamplingParams
 from speculative.engine.request import RequestError, RequestOutput
 
 log = logging.getLogger("eagleserve.server")
+# a report (a metrics snapshot, about 1 ms, and an actor call) after a request at most this often;
+# the health checks report every 2 s besides
+REPORT_AFTER_REQUEST_S = 1.0
 
 
 @serve.deployment
@@ -27,10 +32,18 @@ class LLMServer:
         self.num_requests = 0  # accepted by this replica (replica_info)
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
+        self.metrics = ReplicaMetrics(
+            cfg.model_name, self.replica_id, self.coordinator.engine.scheduler.max_model_len
+        )
         self.registry = registry(context.app_name)  # /metrics and /health read every replica's
+        self.reported_at = 0.0
         self._report()
 
-    def _report(self) -> None:
+    def _report(self, after_request: bool = False) -> None:
+        now = time.monotonic()
+        if after_request and now - self.reported_at < REPORT_AFTER_REQUEST_S:
+            return
+        self.reported_at = now
         self.registry.report.remote(self.replica_id, self.stats())
 
     def __del__(self):
@@ -66,6 +79,7 @@ class LLMServer:
                 503, f"engine unavailable: {e}", "server_error", headers={"Retry-After": "5"}
             ) from None
         self.num_requests += 1
+        timer = self.metrics.start_request(len(prompt_ids))
         log.info("request %s: %d prompt tokens", request_id, len(prompt_ids))
         try:
             # admitted (queued or running): an empty delta, so that the caller need not wait for the
@@ -73,15 +87,20 @@ class LLMServer:
             yield RequestOutput(request_id, [], "", None)
             while (item := await sink.get()) is not None:
                 if isinstance(item, Exception):
+                    timer.finish("error")
                     raise APIError(503, f"generation failed: {item}", "server_error")
+                timer.output(len(item.new_token_ids), item.finish_reason)
                 yield item
         finally:
+            timer.finish("abort")  # the caller went away (counted once: a finished one stays)
             c.abort(request_id)
             log.info("request %s: done", request_id)
-            self._report()
+            self._report(after_request=True)
 
     def stats(self) -> dict:
-        return self.coordinator.stats() | {"replica": self.replica_id}
+        """The engine's statistics and this replica's metrics (a snapshot for /metrics)."""
+        stats = self.coordinator.stats()
+        return stats | {"replica": self.replica_id, "metrics": self.metrics.snapshot(stats)}
 
     async def replica_info(self) -> dict:
         """This replica's process and node, its ranks' (placement checks, fault tests), its step and

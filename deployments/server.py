@@ -6,7 +6,7 @@ import logging
 
 from fastapi import Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
@@ -19,7 +19,7 @@ from deployments.config import ServeConfig
 from deployments.http_app import api, authorize, json_body, read_body, request_schemas
 from deployments.llm_server import LLMServer, llm_server_options
 from deployments.logprobs import LogprobFormatter
-from deployments.metrics import ingress_metrics
+from deployments.metrics import CONTENT_TYPE, exposition, ingress_metrics
 from deployments.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -28,7 +28,7 @@ from deployments.protocol import (
     now,
     refuse_unknown,
 )
-from deployments.replicas import labelled_lines, registry, summed
+from deployments.replicas import registry
 from deployments.tools import constrained, forced_tool_call_schema, parser_for_template
 
 log = logging.getLogger("eagleserve.server")
@@ -280,10 +280,9 @@ class OpenAIIngress:
 
     @api.get("/metrics")
     async def metrics(self):
-        """The engines' counts summed over the replicas, and per-replica gauges."""
-        replicas = await self._replicas()
-        text = self.metrics.render(summed(replicas)) + "\n".join(labelled_lines(replicas))
-        return PlainTextResponse(text + "\n", media_type="text/plain; version=0.0.4")
+        """Every replica's series, labelled by replica (a dashboard sums them)."""
+        body = exposition(self.metrics, self.cfg.model_name, await self._replicas())
+        return Response(body, media_type=CONTENT_TYPE)
 
 
 def build_app(cfg: ServeConfig | dict):

@@ -8,8 +8,8 @@ import subprocess
 import sys
 import threading
 
-import httpx
 import pytest
+from prom_text import scrape, total
 from serve_app import start_app, stop_app
 from tiny_models import tiny_llama
 
@@ -55,12 +55,7 @@ def _run(base_url, prompts, **kw):
 
 
 def _completion_tokens(base_url) -> float:
-    text = httpx.get(f"{base_url}/metrics", timeout=30).text
-    return next(
-        float(line.split()[1])
-        for line in text.splitlines()
-        if line.startswith("eagleserve_completion_tokens_total")
-    )
+    return total(scrape(base_url), "vllm:generation_tokens_total")
 
 
 def test_sweep_all_ok_and_tokens_match_the_server(base_url, prompts):

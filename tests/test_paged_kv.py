@@ -192,8 +192,9 @@ def test_a_long_prompt_is_chunked_while_a_stream_keeps_going(tiny_dir, tiny_draf
 
 def test_scheduler_metrics_follow_the_pool(tiny_dir, prompts):
     """vLLM's metric names: running and waiting requests, the pool's usage, prefix-cache
-    queries and hits in tokens, preemptions; rendered with our prefix."""
-    from deployments.metrics import Metrics
+    queries and hits in tokens, preemptions; exported as vLLM's series."""
+    from deployments.metrics import IngressMetrics, exposition
+    from deployments.replica_metrics import ReplicaMetrics
 
     engine = tiny_engine(tiny_dir, max_batch_size=2)
     for p in prompts[:3]:
@@ -210,14 +211,16 @@ def test_scheduler_metrics_follow_the_pool(tiny_dir, prompts):
     assert done["prefix_cache_hits_total"] == 32  # the third found the shared prefix
     assert done["num_preemptions_total"] == 0
     engine_stats = {
-        "draft_proposed": 0, "draft_accepted": 0, "num_verify_rows": 0, "num_running": 0,
-        "num_waiting": 0, "healthy": True, "num_steps": 0, "num_extra_rows": 0,
-        "accepted_at": [], "scheduler": done,
+        "draft_proposed": 0, "draft_accepted": 0, "num_verify_rows": 0, "healthy": True,
+        "num_steps": 0, "num_extra_rows": 0, "accepted_at": [], "scheduler": done,
     }  # fmt: skip
-    text = Metrics().render(engine_stats)
-    assert "# TYPE eagleserve_prefix_cache_hits_total counter" in text
-    assert "eagleserve_prefix_cache_hits_total 32\n" in text
-    assert "# TYPE eagleserve_kv_cache_usage_perc gauge" in text
+    snapshot = ReplicaMetrics("tiny", "r1", 64).snapshot(engine_stats)
+    text = exposition(IngressMetrics(), "tiny", {"r1": {"metrics": snapshot}}).decode()
+    labels = '{engine="0",model_name="tiny",replica="r1"}'
+    assert "# TYPE vllm:prefix_cache_hits_total counter" in text
+    assert f"vllm:prefix_cache_hits_total{labels} 32.0\n" in text
+    assert "# TYPE vllm:kv_cache_usage_perc gauge" in text
+    assert "vllm:spec_decode" not in text  # no draft method, no speculation counters (as vLLM)
 
 
 @pytest.mark.parametrize("speculative", [False, True])

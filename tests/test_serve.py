@@ -2,18 +2,19 @@
 
 import concurrent.futures
 import json
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import yaml
+from prom_text import label_sets, promql_metric_names, scrape, scrape_until, total
 from serve_app import start_app, stop_app
 
 from deployments.config import ServeConfig
 
 MODEL = "smollm2-135m"
+GRAFANA = "deploy/grafana/eagleserve.json"
 KEY = "test-key"
 QUESTIONS = [
     "What is 2+2?",
@@ -561,20 +562,11 @@ def test_16_concurrent_requests_equal_their_alone_output(client, alone):
     assert answers == [alone[q] for q in questions]
 
 
-def _engine_stats(base_url):
-    text = httpx.get(f"{base_url}/metrics", timeout=30).text
-    return {
-        line.split()[0]: float(line.split()[1])
-        for line in text.splitlines()
-        if line and not line.startswith("#")
-    }
-
-
 def _batch_empties_within(base_url, seconds: float) -> bool:
-    deadline = time.time() + seconds
-    while time.time() < deadline and _engine_stats(base_url)["eagleserve_batch_size"] > 0:
-        time.sleep(0.25)
-    return _engine_stats(base_url)["eagleserve_batch_size"] == 0
+    def empty(samples):
+        return total(samples, "vllm:num_requests_running") == 0
+
+    return empty(scrape_until(base_url, empty, seconds))
 
 
 def test_a_client_gone_frees_its_slot(client, base_url):
@@ -623,29 +615,60 @@ def test_overload_gets_429_not_a_hang(base_url):
 
 def test_health_and_metrics(base_url):
     assert httpx.get(f"{base_url}/health", timeout=30).status_code == 200
-    stats = _engine_stats(base_url)
+    samples = scrape(base_url)
     # refusals count too (the bad-input tests above ran first)
-    assert stats['eagleserve_requests_total{endpoint="completions",status="400"}'] >= 1
-    assert stats['eagleserve_requests_total{endpoint="chat",status="200"}'] >= 16
-    for name in (
-        "eagleserve_completion_tokens_total",
-        "eagleserve_time_to_first_token_seconds_count",
-        "eagleserve_inter_token_latency_seconds_count",
-        "eagleserve_queue_depth",
-        "eagleserve_draft_tokens_proposed_total",
-        "eagleserve_draft_tokens_accepted_total",
-        "eagleserve_mean_acceptance_length",
-        'eagleserve_acceptance_rate{position="1"}',
-        "eagleserve_num_requests_running",
-        "eagleserve_num_requests_waiting",
-        "eagleserve_kv_cache_usage_perc",
-        "eagleserve_prefix_cache_hits_total",
-        "eagleserve_num_preemptions_total",
-    ):
-        assert name in stats, name
-    assert stats["eagleserve_completion_tokens_total"] > 0
-    assert stats["eagleserve_prefix_cache_queries_total"] > 0
-    assert stats["eagleserve_draft_tokens_proposed_total"] > 0
+    requests = "eagleserve_http_requests_total"
+    assert total(samples, requests, endpoint="completions", status="400") >= 1
+    assert total(samples, requests, endpoint="chat", status="200") >= 16
+    assert total(samples, "vllm:generation_tokens_total") > 0
+    assert total(samples, "vllm:prefix_cache_queries_total") > 0
+    assert total(samples, "vllm:spec_decode_num_draft_tokens_total") > 0
+
+
+def test_metrics_move_with_requests_as_vllm_names_them(base_url, client):
+    """vLLM's names and labels (plus the replica); the counters, histograms and speculation
+    counters per position move by what the requests did."""
+    [replica] = httpx.get(f"{base_url}/health", timeout=30).json()["replicas"]
+    before = scrape(base_url)
+    replies = [chat(client, q, max_tokens=16) for q in QUESTIONS[:3]]
+    after = scrape(base_url)  # the one replica is read fresh
+
+    def delta(name, **labels):
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    engine = {"model_name": MODEL, "engine": "0", "replica": replica}
+    for name, labels in after:
+        if name.startswith("vllm:"):
+            assert engine.items() <= labels, (name, labels)
+    assert all(after[key] >= value for key, value in before.items() if key[0].endswith("_total"))
+    assert delta("vllm:generation_tokens_total") == sum(r.usage.completion_tokens for r in replies)
+    assert delta("vllm:prompt_tokens_total") == sum(r.usage.prompt_tokens for r in replies)
+    for reason in ("stop", "length"):
+        finished = sum(r.choices[0].finish_reason == reason for r in replies)
+        assert delta("vllm:request_success_total", finished_reason=reason) == finished
+    for histogram in ("e2e_request_latency_seconds", "time_to_first_token_seconds"):
+        assert delta(f"vllm:{histogram}_count") == 3
+        assert delta(f"vllm:{histogram}_bucket", le="+Inf") == 3
+    assert delta("vllm:inter_token_latency_seconds_count") > 0
+    drafts, accepted = "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens"
+    positions = sorted(int(ls["position"]) for ls in label_sets(after, f"{accepted}_per_pos_total"))
+    assert positions == list(range(5))  # K, the default
+    per_pos = [total(after, f"{accepted}_per_pos_total", position=str(j)) for j in positions]
+    assert delta(drafts) > 0 and sum(per_pos) == total(after, f"{accepted}_total") > 0
+    assert per_pos == sorted(per_pos, reverse=True)  # a position is accepted after the earlier
+
+
+def test_the_dashboard_reads_only_exported_series(base_url):
+    """Every metric the Grafana dashboard queries (its panels and its variables) is exported."""
+    dashboard = json.loads((Path(__file__).parents[1] / GRAFANA).read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":  # label_values(<series>, <label>)
+            exprs.append(variable["query"]["query"].split("(", 1)[1].rsplit(",", 1)[0])
+    wanted = set().union(*map(promql_metric_names, exprs))
+    assert {"vllm:spec_decode_num_accepted_tokens_per_pos_total", "eagleserve_replicas"} <= wanted
+    exported = {name for name, _ in scrape(base_url)}
+    assert wanted <= exported, wanted - exported
 
 
 def test_serve_config_file_is_valid():

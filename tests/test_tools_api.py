@@ -7,6 +7,7 @@ import json
 import httpx
 import openai
 import pytest
+from prom_text import scrape, total
 from serve_app import start_app, stop_app
 
 from deployments.config import ServeConfig
@@ -242,21 +243,21 @@ def test_continuous_usage_stats(client):
     assert counts[-1] == 12 and len(set(counts)) > 3 and chunks[-1].usage.prompt_tokens > 10
 
 
-def _metric(base_url, name: str) -> float:
-    text = httpx.get(f"{base_url}/metrics", timeout=30).text
-    return next(float(line.split()[1]) for line in text.splitlines() if line.split()[0] == name)
+def _metric(base_url, name: str, **labels) -> float:
+    return total(scrape(base_url), name, **labels)
 
 
 def test_per_request_speculation(client, base_url):
     """K=0 and K=2 give the default's greedy output; a K=0 request proposes no drafts."""
     default = chat(client, ASK).choices[0].message.content
-    proposed = _metric(base_url, "eagleserve_draft_tokens_proposed_total")
+    draft_tokens = "vllm:spec_decode_num_draft_tokens_total"
+    proposed = _metric(base_url, draft_tokens)
     off = chat(client, ASK, extra_body={"speculative": {"num_draft_tokens": 0}})
     assert off.choices[0].message.content == default
-    assert _metric(base_url, "eagleserve_draft_tokens_proposed_total") == proposed
+    assert _metric(base_url, draft_tokens) == proposed
     two = chat(client, ASK, extra_body={"speculative": {"num_draft_tokens": 2}})
     assert two.choices[0].message.content == default
-    assert _metric(base_url, "eagleserve_draft_tokens_proposed_total") > proposed
+    assert _metric(base_url, draft_tokens) > proposed
 
 
 def test_health_and_metrics_name_every_replica(base_url):
@@ -264,6 +265,6 @@ def test_health_and_metrics_name_every_replica(base_url):
     assert health["status"] == "ok" and len(health["replicas"]) == 1
     [replica] = health["replicas"]
     assert _metric(base_url, "eagleserve_replicas") == 1
-    assert _metric(base_url, f'eagleserve_replica_healthy{{replica="{replica}"}}') == 1
-    steps = _metric(base_url, f'eagleserve_replica_engine_steps_total{{replica="{replica}"}}')
+    assert _metric(base_url, "eagleserve_healthy", replica=replica) == 1
+    steps = _metric(base_url, "eagleserve_engine_steps_total", replica=replica)
     assert steps == _metric(base_url, "eagleserve_engine_steps_total") > 0

@@ -103,8 +103,9 @@ class Scheduler:
         return sum(not r.is_finished for r in self.running.values())
 
     def metrics(self) -> dict[str, float]:
-        """vLLM's scheduler metrics, by their names (deployments/metrics.py adds our prefix);
-        prefix-cache queries and hits count tokens, usage is the fraction of blocks in use."""
+        """vLLM's scheduler metrics, by their names (deployments/replica_metrics.py exports them
+        as vLLM's series); prefix-cache queries and hits count tokens, usage is the fraction of
+        blocks in use."""
         manager = self.kv.manager if self.kv is not None else None
         return {
             "num_requests_running": self.num_running,
