@@ -179,6 +179,12 @@ def _bench_engine_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda")
     b.add_argument("--max-model-len", type=int, default=1024, help="the engines' context")
     b.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=4096,
+        help="tokens one step computes at most (verify tokens, then prefill chunks)",
+    )
+    b.add_argument(
         "--kv-cache-memory-gb",
         type=float,
         default=None,

@@ -51,6 +51,7 @@ def _run_bench(args, prompts: list[str], ks, batches, siblings, modes) -> list[d
         logprobs=args.logprobs,
         siblings=siblings,
         temperature=args.temperature,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching,

@@ -9,6 +9,7 @@ ENGINE_FLAGS = (
     "num_draft_tokens",
     "max_batch_size",
     "max_model_len",
+    "max_num_batched_tokens",
     "device",
     "dtype",
     "tp",
@@ -54,12 +55,25 @@ def _model_flags(add) -> None:
     add("--model", help="model name, HF directory or .gguf file")
     add("--drafter", help="'default', 'none' or an EAGLE-3 drafter directory")
     add("--num-draft-tokens", "-k", type=int, help="draft tokens per step (K)")
-    add("--max-batch-size", type=int, help="requests decoded together at most")
+    add(
+        "--max-batch-size",
+        "--max-num-seqs",  # vLLM's name
+        type=int,
+        help="requests decoded together at most (request slots)",
+        shown="256 on CUDA, 8 on CPU; fewer where a step's max-num-batched-tokens holds fewer "
+        "verify rows (1 + K tokens each) or the KV cache fewer requests",
+    )
     add(
         "--max-model-len",
         type=int,
         help="prompt + output tokens per request at most",
         shown="the model's max_position_embeddings",
+    )
+    add(
+        "--max-num-batched-tokens",
+        type=int,
+        help="tokens one step computes at most: the running requests' verify tokens, then "
+        "prefill chunks",
     )
     add("--device", choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
     add("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="weights' dtype")

@@ -95,6 +95,10 @@ class SamplingParams(BaseModel):
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty) or self.repetition_penalty != 1
+
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -104,7 +108,8 @@ class EngineConfig(BaseModel):
     # K; ignored when drafter is "none". 5: with the default drafter, K=5 was faster than K=3 on the
     # H200 at batch 1, 8 and 32 (BENCHMARKS.md, run E); on CPU the two were within noise
     num_draft_tokens: int = Field(5, ge=1, le=16)
-    max_batch_size: int = Field(8, ge=1, le=1024)
+    # request slots (vLLM's max_num_seqs); None: derived (workers/kv_sizing.py's default_slots)
+    max_batch_size: int | None = Field(None, ge=1, le=1024)
     # prompt + output tokens per request; None: the model's max_position_embeddings (a larger
     # value is capped to them)
     max_model_len: int | None = Field(None, ge=16)

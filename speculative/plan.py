@@ -24,6 +24,11 @@ class PrefillRow:
     is_continued: bool = False  # a later chunk of a prefill that an earlier step began
     # the request's K: verification accepts at most this many drafts (16, K's bound: no limit)
     num_draft_tokens: int = 16
+    # penalties: the position where the earlier output in the prefill begins (a resumed
+    # request's; None: there is none), and on a first chunk past a prefix-cache hit the cached
+    # prefix's ids, which the step counts without computing them
+    output_from: int | None = None
+    cached_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -86,9 +91,7 @@ def step_flags(rows: list, prefills: list, k: int) -> dict:
         use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
         use_min_p=any(p.min_p > 0 for p in params),
         num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
-        use_penalties=any(
-            p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1 for p in params
-        ),
+        use_penalties=any(p.has_penalties for p in params),
         use_logit_bias=any(p.logit_bias for p in params),
         use_min_tokens=any(r.params.min_tokens > len(r.output_ids) for r in rows),
         use_draft_limits=any(r.num_draft_tokens < k for r in rows),
@@ -112,9 +115,9 @@ class StepResult:
     logprobs: np.ndarray | None = None
     top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
-    # with plan.num_prompt_logprobs, per prefill row and prompt position t: prompt token t's
-    # log-probability after tokens < t [prefills, T], and the top ones [prefills, T,
-    # num_prompt_logprobs]
+    # with plan.num_prompt_logprobs, per prefill row and chunk column t: the log-probability of
+    # the prefill's token after it (at position start + t + 1) [prefills, T], and the top ones
+    # [prefills, T, num_prompt_logprobs]; a chunk's last column scores its next_token
     prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     # with plan.use_grammar: the drafts [rows, K] and siblings [rows, M, K] the step proposed
     drafts: np.ndarray | None = None

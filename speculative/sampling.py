@@ -177,21 +177,20 @@ def sample_one(plan, state: SlotState, logits, slots, positions) -> torch.Tensor
     return sample(probs[:, 0], u[:, 0])
 
 
-def prompt_logprobs(logits_fn, hidden, ids: torch.Tensor, num_top: int, chunk: int = 512):
-    """`token_logprobs` of the prompts' tokens ids [B, T] after the tokens before them (column t:
-    token t; column 0 and the padding hold zeros), from the final hidden states [B, T, H] through
-    `logits_fn`, a row and `chunk` positions at a time: a prompt's logits over the whole
-    vocabulary at once could take GBs."""
-    B, T = ids.shape
-    chosen = torch.zeros(B, T, device=ids.device)
-    top_ids = torch.zeros(B, T, num_top, dtype=torch.long, device=ids.device)
-    top_logprobs = torch.zeros(B, T, num_top, device=ids.device)
+def prompt_logprobs(logits_fn, hidden, targets: torch.Tensor, num_top: int, chunk: int = 512):
+    """`token_logprobs` of targets [B, T] (column t: the token after position t, the next
+    prompt token) from the final hidden states [B, T, H] through `logits_fn`, a row and `chunk`
+    positions at a time: a prompt's logits over the whole vocabulary at once could take GBs."""
+    B, T = targets.shape
+    chosen = torch.zeros(B, T, device=targets.device)
+    top_ids = torch.zeros(B, T, num_top, dtype=torch.long, device=targets.device)
+    top_logprobs = torch.zeros(B, T, num_top, device=targets.device)
     for b in range(B):
-        for s in range(0, T - 1, chunk):
-            e = min(s + chunk, T - 1)
+        for s in range(0, T, chunk):
+            e = min(s + chunk, T)
             logits = logits_fn(hidden[b : b + 1, s:e])
-            c, i, v = token_logprobs(logits, ids[b : b + 1, s + 1 : e + 1], num_top)
-            chosen[b, s + 1 : e + 1] = c[0]
-            top_ids[b, s + 1 : e + 1] = i[0]
-            top_logprobs[b, s + 1 : e + 1] = v[0]
+            c, i, v = token_logprobs(logits, targets[b : b + 1, s:e], num_top)
+            chosen[b, s:e] = c[0]
+            top_ids[b, s:e] = i[0]
+            top_logprobs[b, s:e] = v[0]
     return chosen, top_ids, top_logprobs

@@ -85,17 +85,21 @@ class SlotState:
             self._admit_counts(slots, inp)
 
     def _admit_counts(self, slots: torch.Tensor, inp: dict[str, torch.Tensor]) -> None:
-        """The output so far is the prompt's earlier output (a resumed request's), if any."""
-        ids, lens = inp["prefill_ids"], inp["prefill_lens"]
+        """A prefill's ids (workers/step_io.py's penalty inputs) join its slot's prompt tokens,
+        and those from the earlier output on (a resumed request's) its output counts: a first
+        chunk's row starts afresh, with its cached prefix's ids; a later chunk's adds its own."""
+        ids, lens = inp["penalty_ids"], inp["penalty_lens"]
         B, T = ids.shape
-        positions = torch.arange(T, device=self.device)
-        in_prompt = positions < lens.unsqueeze(1)
-        prior = positions >= (lens - inp["prefill_prior_output_tokens"]).unsqueeze(1)
-        self.output_counts.index_fill_(0, slots, 0)
-        self.count_outputs(slots, ids, prior & in_prompt)
-        prompt_counts = torch.zeros(B, self.vocab_size, dtype=torch.int32, device=self.device)
-        prompt_counts.scatter_add_(1, ids, in_prompt.int())
-        self.in_prompt.index_copy_(0, slots, prompt_counts > 0)
+        columns = torch.arange(T, device=self.device)
+        counted = columns < lens.unsqueeze(1)  # [B, T]
+        is_output = counted & (columns >= inp["penalty_output_from"].unsqueeze(1))
+        kept = (~inp["penalty_is_first"]).unsqueeze(1)  # [B, 1]: the chunks so far count
+        counts = self.output_counts[slots] * kept  # [B, V]
+        counts.scatter_add_(1, ids, is_output.to(counts.dtype))
+        self.output_counts.index_copy_(0, slots, counts)
+        in_prompt = torch.zeros(B, self.vocab_size, dtype=torch.int32, device=self.device)
+        in_prompt.scatter_add_(1, ids, counted.int())
+        self.in_prompt.index_copy_(0, slots, (in_prompt > 0) | (self.in_prompt[slots] & kept))
 
     def write_grammar(self, inp: dict[str, torch.Tensor]) -> None:
         """Structured outputs: the plan's constrained slots get their masks, the others none."""

@@ -23,6 +23,7 @@ from workers.kv_sizing import (
     cache_rows,
     check_holds_a_request,
     cpu_blocks,
+    default_slots,
     explicit_blocks,
     full_length_gb,
     gpu_blocks,
@@ -112,6 +113,23 @@ def test_which_rule_sizes_the_pool():
     assert static_pool_size(budget, SMOL_TOKEN, 8208, 8192, is_cuda=False).num_slots == 2
 
 
+def test_request_slots_default_as_vllms_max_num_seqs():
+    """Unset, max_batch_size is vLLM's 256 on CUDA and 8 on CPU, at most as many rows as one
+    step's budget verifies (1 + K(M+1) tokens each) and as the pool holds requests; an explicit
+    value stands, past them too."""
+    assert EngineConfig().max_batch_size is None
+    assert (default_slots(EngineConfig(), True), default_slots(EngineConfig(), False)) == (256, 8)
+    assert default_slots(EngineConfig(max_num_batched_tokens=600), True) == 600 // 6  # K=5
+    assert default_slots(EngineConfig(max_num_batched_tokens=600, draft_siblings=1), True) == 54
+    assert default_slots(EngineConfig(max_num_batched_tokens=600, drafter="none"), True) == 256
+    assert default_slots(EngineConfig(max_num_batched_tokens=16, drafter="none"), False) == 8
+    # a 64-block pool holds 64 requests of one block (1 + 2 x 6 + 1 rows of K=5)
+    tiny_pool = dict(kv_cache_memory_gb=64 * SMOL_BLOCK / GiB)
+    assert static_pool_size(EngineConfig(**tiny_pool), SMOL_TOKEN, 1040, 1024, True).num_slots == 64
+    explicit = EngineConfig(**tiny_pool, max_batch_size=100, max_num_batched_tokens=16)
+    assert static_pool_size(explicit, SMOL_TOKEN, 1040, 1024, True).num_slots == 100
+
+
 def test_engine_config_fields():
     assert EngineConfig().max_model_len is None and EngineConfig().gpu_memory_utilization == 0.9
     assert EngineConfig(gpu_memory_utilization=1.0).gpu_memory_utilization == 1.0
@@ -144,6 +162,14 @@ def test_the_flag_reaches_engine_config(tmp_path):
     flags = ["serve", "--config", str(config), "--gpu-memory-utilization", "0.7"]
     assert _serve_config(parse(flags)).engine.gpu_memory_utilization == 0.7
     assert parse(["bench", "--gpu-memory-utilization", "0.8"]).gpu_memory_utilization == 0.8
+    # vLLM's names: --max-num-seqs for --max-batch-size, and the step budget
+    sized = ["--max-num-seqs", "64", "--max-num-batched-tokens", "2048"]
+    cfg = _engine_config(parse(["generate", "in.jsonl", "-o", "o", *sized]))
+    assert (cfg.max_batch_size, cfg.max_num_batched_tokens) == (64, 2048)
+    assert _engine_config(parse(["generate", "in.jsonl", "-o", "o"])).max_batch_size is None
+    engine = _serve_config(parse(["serve", "--config", str(config), *sized])).engine
+    assert (engine.max_batch_size, engine.max_num_batched_tokens) == (64, 2048)
+    assert parse(["bench", "--max-num-batched-tokens", "512"]).max_num_batched_tokens == 512
 
 
 def test_full_length_gb_holds_every_slot(tiny_dir):
@@ -173,16 +199,54 @@ def test_size_pool_on_the_gpu_path(tiny_dir, tiny_drafter_dir, monkeypatch):
         memory_profile.size_pool(runner, cache_len, at_start=(1, 1))
 
 
-@pytest.mark.parametrize("drafter, siblings", [(True, 0), (True, 1), (False, 0)])
-def test_peak_steps_run_the_largest_shapes(tiny_dir, tiny_drafter_dir, drafter, siblings):
-    """Every slot prefills its share of the token budget at the end of its context, then every
-    slot verifies over the whole cache, through the eager paths, on any device."""
+def test_derived_slots_are_profiled_then_capped_by_the_pool(tiny_dir, monkeypatch, caplog):
+    """Without max_batch_size the GPU is measured with the derived slots (8 on this CPU runner)
+    and a pool of 7 one-block requests keeps 7 of them, as the start log says."""
+    runner = tiny_engine(tiny_dir, max_batch_size=None, max_model_len=100).executor
+    cache_len, per_block = runner.kv.cache_len, runner.kv.bytes_per_token * 16
+    profiled = []
+
+    def measure(runner, cache_len, num_slots, at_start):
+        profiled.append(num_slots)
+        total = 1000 * per_block
+        return gpu(total=total, free_at_start=total, engine=0, peak_step=893 * per_block, graphs=0)
+
+    monkeypatch.setattr(memory_profile, "measure_gpu", measure)
+    with caplog.at_level(logging.INFO, logger="workers.memory_profile"):
+        size = memory_profile.size_pool(runner, cache_len, at_start=(1, 1))
+    assert profiled == [8] and (size.num_slots, size.num_blocks) == (7, 7)
+    assert "max_batch_size not set: 7 request slots (at most 8 on CPU" in caplog.text
+
+
+def test_peak_prefills_cover_many_short_rows_and_the_longest_gathers():
+    """The budget over every slot (the paged kernel's rows when slots are many), and over as
+    many rows as each gather their context (more than 128 tokens a row)."""
+    assert memory_profile.peak_prefill_rows(256, 4096) == [31, 256]
+    assert memory_profile.peak_prefill_rows(8, 4096) == [8]
+    assert memory_profile.peak_prefill_rows(4, 64) == [1, 4]
+
+
+@pytest.mark.parametrize(
+    "drafter, siblings, slots, budget, max_len",
+    [
+        (True, 0, 4, 64, 100),
+        (True, 1, 4, 64, 100),
+        (False, 0, 4, 64, 100),
+        (True, 0, 32, 4096, 300),
+    ],
+)
+def test_peak_steps_run_the_largest_shapes(
+    tiny_dir, tiny_drafter_dir, drafter, siblings, slots, budget, max_len
+):
+    """Every slot prefills its share of the token budget at the end of its context, so do as
+    many rows as each take more than the paged kernel's 128 tokens, then every slot verifies
+    over the whole cache, through the eager paths, on any device."""
     engine = tiny_engine(
         tiny_dir,
         tiny_drafter_dir if drafter else "none",
-        max_batch_size=4,
-        max_model_len=100,
-        max_num_batched_tokens=64,
+        max_batch_size=slots,
+        max_model_len=max_len,
+        max_num_batched_tokens=budget,
         draft_siblings=siblings,
     )
     runner = engine.executor
@@ -194,9 +258,11 @@ def test_peak_steps_run_the_largest_shapes(tiny_dir, tiny_drafter_dir, drafter, 
 
     runner.kv.batch = recording
     memory_profile.run_peak_steps(runner, runner.kv.cache_len)
-    assert (4, 16, 100) in shapes  # 4 slots x 64 // 4 tokens, read up to max_model_len
-    assert (4, runner.T, runner.kv.cache_len) in shapes  # the verify pass of every slot
-    assert runner.resources.is_allocated == [True] * 4
+    for num_rows in memory_profile.peak_prefill_rows(slots, budget):
+        length = min(budget // num_rows, max_len - 1)  # read up to max_model_len
+        assert (num_rows, length, max_len) in shapes
+    assert (slots, runner.T, runner.kv.cache_len) in shapes  # the verify pass of every slot
+    assert runner.resources.is_allocated == [True] * slots
     assert runner.state.output_counts is not None and runner.state.grammar_mask is not None
 
 

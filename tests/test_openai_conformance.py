@@ -59,7 +59,8 @@ def base_url(model_dir):
             "num_draft_tokens": 3,
             "max_batch_size": 8,
             "max_model_len": 256,
-            "max_num_batched_tokens": 1024,
+            # a step's budget under the context: long prompts prefill in chunks
+            "max_num_batched_tokens": 128,
             "device": "cpu",
             "dtype": "float32",
         },
@@ -440,3 +441,34 @@ def test_lm_eval_loglikelihoods_equal_transformers(base_url, model_dir):
         for got in (choice, text_reply["choices"][0]):
             total, greedy = _lm_eval_parse(got, len(ctx))
             assert total == pytest.approx(want_total, abs=1e-4) and greedy == want_greedy
+
+
+# ---- past one step's token budget (128 here, max_model_len 256) ----
+
+
+def test_penalties_and_prompt_logprobs_past_the_step_budget(base_url, model_dir):
+    """A chat with frequency_penalty 0.5 and no max_tokens (so prompt + max_tokens is the whole
+    context, twice the budget) is answered, not refused; a 200-token prompt's echoed
+    log-probabilities, prefilled in chunks after an earlier request cached its prefix, are every
+    position's and equal transformers'; prompt + max_tokens past max_model_len is still a 400."""
+    from transformers import AutoModelForCausalLM
+
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=300)
+    reply = client.chat.completions.create(model=MODEL, messages=CHAT, frequency_penalty=0.5)
+    usage = reply.usage
+    assert reply.choices[0].finish_reason in ("stop", "length") and usage.completion_tokens >= 1
+    assert usage.prompt_tokens + usage.completion_tokens <= 256
+    ids = ok(base_url, "/tokenize", {"prompt": "The sky is blue and the grass is green. " * 20})
+    ids = ids["tokens"][:200]
+    ok(base_url, "/v1/completions", {"prompt": ids, "max_tokens": 2})  # caches its blocks
+    body = {"prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0}
+    scored = ok(base_url, "/v1/completions", body | {"presence_penalty": 0.5})
+    got = scored["choices"][0]["logprobs"]["token_logprobs"][: len(ids)]
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    want = logprobs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert got[0] is None and len(got) == 200
+    torch.testing.assert_close(torch.tensor(got[1:]), want, rtol=1e-4, atol=1e-4)
+    r = post(base_url, "/v1/completions", {"prompt": ids, "max_tokens": 57, "frequency_penalty": 1})
+    assert r.status_code == 400 and "exceeds" in r.json()["error"]["message"], r.text

@@ -1,6 +1,9 @@
 """The paged KV pool's size: its request slots, its blocks, and the rule that chose them. Pure
 arithmetic; workers/memory_profile.py measures the GPU for it.
 
+- Request slots: `max_batch_size`, or where it is not set `default_slots` (vLLM's 256 on CUDA, 8
+  on CPU, no more than one step's budget verifies, nor than the pool holds requests).
+
 - `kv_cache_memory_gb`, when set, always wins: the blocks it holds (at least one).
 - On CUDA without it, as vLLM sizes it: `gpu_memory_utilization` x the GPU's memory is this
   engine's, and the pool gets what the weights, a profiled peak step and the CUDA graphs leave of
@@ -20,6 +23,12 @@ from workers.layers.kv_cache import KVShape
 # Smaller contexts (max_model_len) are not capped: every slot at full length fits.
 CPU_KV_CACHE_GB = 1.0
 GiB = 2**30
+# request slots where max_batch_size is not set: vLLM's max_num_seqs default on a GPU (recent vLLM
+# takes 1024 on cards of 70 GiB or more; 256 keeps the graphs to BATCH_BUCKETS); on a CPU 8,
+# where a verify pass is arithmetic-bound by batch 8 (BENCHMARKS.md, CPU speed), so more rows
+# lengthen every step instead of adding throughput, and the CPU pool grows with the slots
+GPU_DEFAULT_SLOTS = 256
+CPU_DEFAULT_SLOTS = 8
 
 
 @dataclass(frozen=True)
@@ -72,17 +81,38 @@ def full_length_gb(model_cfg, num_slots: int, max_model_len: int, dtype, block_s
     return rows * per_token / GiB
 
 
-def slots_that_fit(cfg, per_slot_bytes: int) -> int:
-    """Request slots: max_batch_size, fewer where memory_budget_gb holds fewer caches."""
+def default_slots(cfg, is_cuda: bool) -> int:
+    """Request slots where max_batch_size is not set: GPU_DEFAULT_SLOTS or CPU_DEFAULT_SLOTS, at
+    most the rows whose verify tokens (1 + K(M+1) a row) fit one step's max_num_batched_tokens,
+    as vLLM caps max_num_seqs at max_num_batched_tokens."""
+    cap = GPU_DEFAULT_SLOTS if is_cuda else CPU_DEFAULT_SLOTS
+    siblings = cfg.draft_siblings if cfg.k else 0
+    return max(1, min(cap, cfg.max_num_batched_tokens // (1 + cfg.k * (siblings + 1))))
+
+
+def slots_that_fit(cfg, per_slot_bytes: int, is_cuda: bool) -> int:
+    """Request slots: max_batch_size (else default_slots), fewer where memory_budget_gb holds
+    fewer caches."""
+    num_slots = cfg.max_batch_size or default_slots(cfg, is_cuda)
     if cfg.memory_budget_gb is None:
-        return cfg.max_batch_size
+        return num_slots
     fits = int(cfg.memory_budget_gb * GiB // per_slot_bytes)
     if fits < 1:
         raise ValueError(
             f"memory_budget_gb={cfg.memory_budget_gb} holds no request slot "
             f"({per_slot_bytes / 2**20:.1f} MiB of KV cache per slot)"
         )
-    return min(cfg.max_batch_size, fits)
+    return min(num_slots, fits)
+
+
+def slots_the_pool_holds(cfg, num_slots: int, num_blocks: int) -> int:
+    """Derived slots (no max_batch_size) at most the requests the pool holds at their smallest
+    (one token and the rows its steps write past it): a slot no block could serve is not made."""
+    if cfg.max_batch_size is not None:
+        return num_slots
+    siblings = cfg.draft_siblings if cfg.k else 0
+    smallest = cache_rows(1, cfg.k, siblings, cfg.kv_block_size) // cfg.kv_block_size
+    return max(1, min(num_slots, num_blocks // smallest))
 
 
 def explicit_blocks(pool_gb: float, per_block_bytes: int) -> int:
@@ -122,15 +152,23 @@ def check_holds_a_request(
 
 
 def static_pool_size(
-    cfg, per_token_bytes: int, cache_len: int, max_model_len: int, is_cuda: bool
+    cfg,
+    per_token_bytes: int,
+    cache_len: int,
+    max_model_len: int,
+    is_cuda: bool,
+    num_slots: int | None = None,
 ) -> PoolSize | None:
-    """The pool by kv_cache_memory_gb or the CPU default; None where the GPU must be measured."""
+    """The pool by kv_cache_memory_gb or the CPU default; None where the GPU must be measured.
+    num_slots: the request slots (None: slots_that_fit's on this device)."""
     block_size = cfg.kv_block_size
     per_block = per_token_bytes * block_size
     blocks_per_request = cache_len // block_size
-    num_slots = slots_that_fit(cfg, per_token_bytes * cache_len)
+    if num_slots is None:
+        num_slots = slots_that_fit(cfg, per_token_bytes * cache_len, is_cuda)
     if cfg.kv_cache_memory_gb is not None:
         num_blocks = explicit_blocks(cfg.kv_cache_memory_gb, per_block)
+        num_slots = slots_the_pool_holds(cfg, num_slots, num_blocks)
         rule = f"kv_cache_memory_gb={cfg.kv_cache_memory_gb}"
         return PoolSize(num_slots, num_blocks, block_size, rule)
     if is_cuda:

@@ -15,13 +15,17 @@ from speculative.config import MAX_STOP_IDS, SamplingParams
 from speculative.plan import PrefillRow, StepPlan
 from workers.cuda_graphs import capture_step_graphs
 from workers.kv_sizing import (
+    CPU_DEFAULT_SLOTS,
+    GPU_DEFAULT_SLOTS,
     GpuMemory,
     PoolSize,
     check_holds_a_request,
     gpu_blocks,
     slots_that_fit,
+    slots_the_pool_holds,
     static_pool_size,
 )
+from workers.layers import attention_backend
 from workers.layers.kv_cache import bytes_per_token, kv_shapes
 
 log = logging.getLogger(__name__)
@@ -64,14 +68,33 @@ def size_pool(runner, cache_len: int, at_start: tuple[int, int] | None) -> PoolS
     memory before the weights) by measuring."""
     cfg, max_len = runner.cfg, runner.max_model_len
     per_token = bytes_per_token(kv_shapes(runner.target, runner.drafter, runner.tp), runner.dtype)
-    size = static_pool_size(cfg, per_token, cache_len, max_len, is_cuda=at_start is not None)
-    if size is not None:
-        return size
-    num_slots = slots_that_fit(cfg, per_token * cache_len)
+    is_cuda = runner.device.type == "cuda"
+    num_slots = slots_that_fit(cfg, per_token * cache_len, is_cuda)
+    measures = at_start is not None
+    size = static_pool_size(cfg, per_token, cache_len, max_len, measures, num_slots)
+    if size is None:
+        size = _measured_pool(runner, cache_len, at_start, per_token, num_slots)
+    if cfg.max_batch_size is None:
+        log.info(
+            "rank %d: max_batch_size not set: %d request slots (at most %d on %s, as many verify "
+            "rows as max_num_batched_tokens=%d holds, and the requests the pool holds)",
+            runner.rank,
+            size.num_slots,
+            GPU_DEFAULT_SLOTS if is_cuda else CPU_DEFAULT_SLOTS,
+            "CUDA" if is_cuda else "CPU",
+            cfg.max_num_batched_tokens,
+        )
+    return size
+
+
+def _measured_pool(runner, cache_len: int, at_start, per_token: int, num_slots: int):
+    """The pool by gpu_memory_utilization: what the measured GPU (with num_slots request slots)
+    leaves for it; every rank takes the smallest, since the plans address one pool."""
+    cfg, max_len = runner.cfg, runner.max_model_len
     mem = measure_gpu(runner, cache_len, num_slots, at_start)
     utilization = cfg.gpu_memory_utilization
     num_blocks = gpu_blocks(mem, utilization, per_token * cfg.kv_block_size)
-    if runner.group is not None:  # every rank takes the smallest pool: the plans address one
+    if runner.group is not None:
         agreed = torch.tensor([num_blocks], device=runner.device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=runner.group)
         num_blocks = int(agreed.item())
@@ -79,6 +102,8 @@ def size_pool(runner, cache_len: int, at_start: tuple[int, int] | None) -> PoolS
     log.info("rank %d: %s -> %d KV cache blocks", runner.rank, report, num_blocks)
     advice = mem.advice(utilization)
     check_holds_a_request(num_blocks, cache_len // cfg.kv_block_size, max_len, report, advice)
+    # fewer slots than were profiled: the measured peak step stays an upper bound
+    num_slots = slots_the_pool_holds(cfg, num_slots, num_blocks)
     rule = f"gpu_memory_utilization={utilization}"
     return PoolSize(num_slots, num_blocks, cfg.kv_block_size, rule)
 
@@ -113,19 +138,49 @@ def measure_gpu(runner, cache_len: int, num_slots: int, at_start: tuple[int, int
     return GpuMemory(total, free_at_start, engine, peak_step, graphs)
 
 
+def peak_prefill_rows(num_slots: int, budget: int) -> list[int]:
+    """How many rows the profiled prefills split the budget into, fewest first: as many rows as
+    each hold more than the paged kernel's query rows, which gather every block of their context
+    (attention_backend), where those are fewer than the slots; then every slot, its share each."""
+    long_rows = max(1, min(num_slots, budget // (attention_backend.KERNEL_MAX_QUERY + 1)))
+    return sorted({long_rows, num_slots})
+
+
 def run_peak_steps(runner, cache_len: int) -> None:
-    """The largest step the engine runs, as two plans: every slot prefilling its share of
-    max_num_batched_tokens at the end of its context (chunks of long prompts), then every slot
-    verifying; both read cache_len rows a request. Leaves the slots' state to be discarded."""
+    """The largest steps the engine runs: prefill plans splitting max_num_batched_tokens over
+    `peak_prefill_rows` rows, each at the end of its context (chunks of long prompts), then
+    every slot verifying; all read cache_len rows a request. Leaves the slots' state to be
+    discarded."""
     num_slots, max_len = runner.num_slots, runner.max_model_len
-    length = max(1, min(runner.cfg.max_num_batched_tokens // num_slots, max_len - 1))
+    budget = runner.cfg.max_num_batched_tokens
     stops = dict(stops_from=1 << 40, stop_ids=[0] * MAX_STOP_IDS)
-    prefills = [
-        PrefillRow(slot, [0] * length, slot, HEAVIEST, start=max_len - length, **stops)
-        for slot in range(num_slots)
-    ]
-    flags = dict(
-        kv_len=cache_len,
+    taken = []  # the slots the last plan's prefills hold: the next plan frees them first
+    for step, num_rows in enumerate(peak_prefill_rows(num_slots, budget)):
+        length = max(1, min(budget // num_rows, max_len - 1))
+        prefills = [
+            PrefillRow(slot, [0] * length, slot, HEAVIEST, start=max_len - length, **stops)
+            for slot in range(num_rows)
+        ]
+        flags = _heaviest_flags(runner, num_rows, cache_len)
+        plan = StepPlan(
+            step,
+            prefills,
+            free_slots=taken,
+            num_prompt_logprobs=HEAVIEST.prompt_logprobs,
+            **flags,
+        )
+        runner.execute(plan).result()
+        taken = list(range(num_rows))
+    flags = _heaviest_flags(runner, num_slots, cache_len)
+    verify = StepPlan(step + 1, decode_slots=taken, **flags)
+    runner.execute(verify).result()
+
+
+def _heaviest_flags(runner, num_rows: int, kv_len: int) -> dict:
+    """Every feature of a step of num_rows rows on (HEAVIEST's), reading kv_len rows a request."""
+    vocab_words = -(-runner.target_cfg.vocab_size // 32)
+    return dict(
+        kv_len=kv_len,
         all_greedy=False,
         use_top_k_top_p=True,
         use_min_p=True,
@@ -134,11 +189,6 @@ def run_peak_steps(runner, cache_len: int) -> None:
         use_logit_bias=True,
         use_min_tokens=True,
         use_draft_limits=True,
-        grammar_rows=list(range(num_slots)),
-        grammar_masks=np.full(
-            (num_slots, runner.T, -(-runner.target_cfg.vocab_size // 32)), -1, dtype=np.int32
-        ),
+        grammar_rows=list(range(num_rows)),
+        grammar_masks=np.full((num_rows, runner.T, vocab_words), -1, dtype=np.int32),
     )
-    prompt_logprobs = HEAVIEST.prompt_logprobs
-    runner.execute(StepPlan(0, prefills, num_prompt_logprobs=prompt_logprobs, **flags)).result()
-    runner.execute(StepPlan(1, decode_slots=list(range(num_slots)), **flags)).result()

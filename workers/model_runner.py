@@ -238,9 +238,18 @@ class ModelRunner:
             pad = (0, 0, 0, self.K)
             logprobs = (F.pad(chosen, (0, self.K)), F.pad(top_ids, pad), F.pad(top_values, pad))
         if plan.num_prompt_logprobs is not None:
-            prompt = prompt_logprobs(self.target.logits, hidden, ids, plan.num_prompt_logprobs)
+            targets = self._prompt_targets(ids, lens, inp["prefill_next"])
+            prompt = prompt_logprobs(self.target.logits, hidden, targets, plan.num_prompt_logprobs)
         out = self._after_prefill(ids, lens, token, batch, features)
         return out, logprobs, prompt
+
+    def _prompt_targets(self, ids, lens, next_token) -> torch.Tensor:
+        """The token each position of prefill chunks ids [B, T] is followed by: the chunk's next,
+        then a chunk short of the prompt's end its next_token (else 0: the output, not scored)."""
+        rows = torch.arange(ids.shape[0], device=self.device)
+        targets = F.pad(ids[:, 1:], (0, 1))
+        targets[rows, lens - 1] = next_token.clamp(min=0)
+        return targets
 
     def _after_prefill(self, ids, lens, token, batch, features) -> tuple:
         rows = torch.arange(ids.shape[0], device=self.device)

@@ -88,9 +88,6 @@ def _prefill_inputs(plan: StepPlan) -> dict[str, torch.Tensor]:
         "prefill_next": torch.tensor([p.next_token for p in rows]),
         "prefill_seeds": torch.tensor([p.seed for p in rows]),
         "prefill_num_draft_tokens": torch.tensor([p.num_draft_tokens for p in rows]),
-        "prefill_prior_output_tokens": torch.tensor(
-            [p.params.prior_output_tokens + p.num_resumed for p in rows]
-        ),
     }
     for name, dtype, _ in SAMPLING_FIELDS:
         host[f"prefill_{name}"] = torch.tensor([getattr(p.params, name) for p in rows], dtype=dtype)
@@ -101,6 +98,8 @@ def _prefill_inputs(plan: StepPlan) -> dict[str, torch.Tensor]:
             bias = p.params.logit_bias
             host["prefill_bias_ids"][i, : len(bias)] = torch.tensor(list(bias), dtype=torch.long)
             host["prefill_bias_values"][i, : len(bias)] = torch.tensor(list(bias.values()))
+    if plan.use_penalties:
+        host |= _penalty_inputs(rows)
     if plan.use_min_tokens:  # [rows, MAX_STOP_IDS] padded with -1
         host["prefill_stops_from"] = torch.tensor([p.stops_from for p in rows])
         host["prefill_stop_ids"] = torch.full((len(rows), MAX_STOP_IDS), -1, dtype=torch.long)
@@ -108,6 +107,29 @@ def _prefill_inputs(plan: StepPlan) -> dict[str, torch.Tensor]:
             stop_ids = torch.tensor(p.stop_ids, dtype=torch.long)
             host["prefill_stop_ids"][i, : len(p.stop_ids)] = stop_ids
     return host
+
+
+def _penalty_inputs(rows: list) -> dict[str, torch.Tensor]:
+    """The ids each prefill row adds to its slot's penalty counts (SlotState.admit): a first
+    chunk's cached prefix (not computed) and every chunk's own tokens, padded [rows, C]; where
+    the earlier output begins among them; whether the row starts the slot's counts afresh."""
+    counted = [p.cached_ids + p.token_ids for p in rows]
+    ids = torch.zeros(len(rows), max(map(len, counted)), dtype=torch.long)
+    for i, row_ids in enumerate(counted):
+        ids[i, : len(row_ids)] = torch.tensor(row_ids)
+    # the position of each row's first counted id: 0 on a first chunk, else the chunk's start
+    firsts = [p.start - len(p.cached_ids) for p in rows]
+    no_output = ids.shape[1]
+    output_from = [
+        no_output if p.output_from is None else p.output_from - first
+        for p, first in zip(rows, firsts)
+    ]
+    return {
+        "penalty_ids": ids,
+        "penalty_lens": torch.tensor(list(map(len, counted))),
+        "penalty_output_from": torch.tensor(output_from),
+        "penalty_is_first": torch.tensor([not p.is_continued for p in rows]),
+    }
 
 
 def _grammar_inputs(plan: StepPlan) -> dict[str, torch.Tensor]:

@@ -4,7 +4,6 @@ running streams keep decoding), and admission of a waiting request with the pref
 and blocks for its first chunk. The scheduler (engine/scheduler.py) owns one planner and keeps
 the queues; the planner reads its running requests and changes only the requests it plans."""
 
-from speculative.config import SamplingParams
 from speculative.engine.request import Request, RequestError
 from speculative.engine.request_blocks import RequestBlocks
 from speculative.plan import PrefillRow
@@ -26,19 +25,12 @@ class PrefillPlanner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
 
-    def check_budget(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """A prefill that cannot run in chunks must fit one step: with a paged pool, also when
-        it is recomputed after preemption (prompt and output)."""
-        num_tokens = len(prompt_ids)
-        if self.may_split(params):
-            return
-        if self.kv is not None:
-            num_tokens += params.max_tokens - 1
-        if num_tokens > self.max_num_batched_tokens:
+    def check_budget(self, prompt_ids: list[int]) -> None:
+        """Without a paged pool prefills run whole: a prompt must fit one step."""
+        if self.kv is None and len(prompt_ids) > self.max_num_batched_tokens:
             raise RequestError(
                 f"prompt ({len(prompt_ids)} tokens) exceeds max_num_batched_tokens "
                 f"({self.max_num_batched_tokens})"
-                + (" with max_tokens, for penalties or prompt_logprobs" if self.kv else "")
             )
 
     def continue_running(self) -> tuple[list[Request], dict[str, int], int]:
@@ -76,11 +68,12 @@ class PrefillPlanner:
         that chunk, or None (nothing taken)."""
         r.slot, r.prefill_ids = slot, r.prompt_ids + r.output_ids
         r.num_prefilled = r.num_confirmed = 0
-        may_split = self.may_split(r.params)
-        if may_split:
+        r.prompt_logprobs = []
+        may_match = self.kv is not None and not scores_prompt(r)
+        if may_match:
             r.num_prefilled = r.num_confirmed = self.kv.match(r, r.prefill_ids, True)
         end = self._chunk_end(r, chunks, budget)
-        queried = len(r.prefill_ids) if may_split else 0
+        queried = len(r.prefill_ids) if may_match else 0
         if end is None or (updates is not None and not self.kv.admit(r, end, queried, updates)):
             if end is None and self.kv is not None:
                 self.kv.manager.release(r.blocks)
@@ -99,15 +92,11 @@ class PrefillPlanner:
         row.next_token = r.prefill_ids[end] if end < len(r.prefill_ids) else -1
         row.is_continued = is_continued
         row.num_draft_tokens = r.num_draft_tokens
+        row.output_from = len(r.prompt_ids) - r.params.prior_output_tokens
+        if r.params.has_penalties and not is_continued:
+            row.cached_ids = r.prefill_ids[:start]
         r.num_prefilled = end
         return row
-
-    def may_split(self, params: SamplingParams) -> bool:
-        """Whether a prefill may start past a cached prefix or run in chunks: penalties count,
-        and prompt_logprobs score, the whole prompt at once on the workers."""
-        p = params
-        penalties = p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1
-        return self.kv is not None and not penalties and p.prompt_logprobs is None
 
     def _chunk_end(self, r: Request, chunks: dict, budget: int) -> int | None:
         """The end of r's next prefill chunk from r.num_prefilled, as the next prefill row of a
@@ -116,7 +105,7 @@ class PrefillPlanner:
         start, num_rows = r.num_prefilled, len(chunks)
         longest = max((end - self.running[i].num_prefilled for i, end in chunks.items()), default=0)
         take = len(r.prefill_ids) - start
-        if self.may_split(r.params):
+        if self.kv is not None:  # chunks (the contiguous per-slot caches take prefills whole)
             take = min(take, budget // (num_rows + 1))
         if take < 1 or (num_rows + 1) * max(longest, take) > budget:
             return None
@@ -132,6 +121,13 @@ class PrefillPlanner:
         return len(r.prompt_ids) + r.params.min_tokens, sorted(
             self.eos_token_ids | set(r.params.stop_token_ids)
         )
+
+
+def scores_prompt(r: Request) -> bool:
+    """Whether r's prefill must return its prompt's log-probabilities: then it skips the prefix
+    cache (as vLLM does), since a cached block's K/V does not give them; once r has output
+    (preempted and resumed), its prompt's were sent."""
+    return r.params.prompt_logprobs is not None and not r.output_ids
 
 
 def will_surely_finish(r: Request) -> bool:

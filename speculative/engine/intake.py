@@ -31,7 +31,7 @@ class RequestIntake:
         # prompt ids are checked against it (a bad id would fail the whole step)
         self.vocab_size = vocab_size
         self.kv = kv  # the paged pool's blocks (a request must fit it), or None
-        self.prefill = prefill  # the token budget (a prefill that cannot be split must fit it)
+        self.prefill = prefill  # the token budget (without a paged pool a prompt must fit it)
         self.grammars: Grammars | None = None  # compiles structured outputs' constraints
 
     def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -64,7 +64,7 @@ class RequestIntake:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) can never "
                 f"fit the KV cache pool of {pool.num_blocks} blocks x {pool.block_size} tokens"
             )
-        self.prefill.check_budget(prompt_ids, params)
+        self.prefill.check_budget(prompt_ids)
         if params.structured is not None:
             self._grammar_for(params)
 

@@ -49,6 +49,8 @@ class Request:
     prefill_ids: list[int] = field(default_factory=list)
     num_prefilled: int = 0
     num_confirmed: int = 0
+    # with params.prompt_logprobs: the prompt's tokens 1.. scored so far, chunk by chunk
+    prompt_logprobs: list = field(default_factory=list)
 
     @property
     def is_finished(self) -> bool:

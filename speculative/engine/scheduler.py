@@ -201,6 +201,7 @@ class Scheduler:
             elif prefill is not None and prefill.next_token >= 0:
                 # a prefill chunk short of the end: computed, nothing emitted
                 r.num_confirmed = prefill.start + len(prefill.token_ids)
+                self._score_prompt(r, row, prefill, result)
             else:
                 outputs.append(self._emit(r, row, prefill, result))
             if r.is_finished or r.is_preempted:
@@ -238,14 +239,20 @@ class Scheduler:
         )
         if r.grammar is not None:
             self._follow_grammar(r, output.new_token_ids, result, row)
-        if prefill is not None and not prefill.num_resumed:
-            output.prompt_logprobs = row_logprobs(
-                result.prompt_logprobs,
-                row,
-                range(1, len(r.prompt_ids)),
-                r.params.prompt_logprobs,
-            )
+        if prefill is not None and self._score_prompt(r, row, prefill, result):
+            output.prompt_logprobs = r.prompt_logprobs
         return output
+
+    def _score_prompt(self, r: Request, row: int, prefill: PrefillRow, result) -> bool:
+        """Add a chunk's prompt log-probabilities to r's: its column j scores the prompt token
+        at start + j + 1 (the last chunk's last column, the first output token, is not one).
+        -> whether r scores its prompt (a resumed request's were sent)."""
+        if r.params.prompt_logprobs is None or prefill.num_resumed:
+            return False
+        num_scored = min(len(prefill.token_ids), len(r.prompt_ids) - 1 - prefill.start)
+        n = r.params.prompt_logprobs
+        r.prompt_logprobs += row_logprobs(result.prompt_logprobs, row, range(num_scored), n)
+        return True
 
     def _follow_grammar(self, r: Request, tokens: list[int], result: StepResult, row: int):
         if not r.grammar.accept(tokens):  # cannot happen: the mask allowed every token
