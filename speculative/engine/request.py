@@ -49,6 +49,12 @@ class Request:
     prefill_ids: list[int] = field(default_factory=list)
     num_prefilled: int = 0
     num_confirmed: int = 0
+    arrival: int = 0  # the order in which the scheduler received it
+
+    @property
+    def priority_key(self) -> tuple[int, int]:
+        """The priority policy's order: lower priority values first, then earlier arrivals."""
+        return self.params.priority, self.arrival
 
     @property
     def is_finished(self) -> bool:
