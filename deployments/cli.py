@@ -31,6 +31,8 @@ def _read_jsonl(path: Path) -> list[dict]:
         for where, row in read_rows(path):
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                 raise SystemExit(f"error: {where}: each row needs a string field 'prompt'")
+            if type(row.get("priority", 0)) is not int:  # JSON true is no priority
+                raise SystemExit(f"error: {where}: 'priority' must be an integer")
             rows.append(row)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
@@ -48,13 +50,14 @@ def cmd_generate(args) -> None:
     rows = _read_jsonl(args.input)
     if not rows:
         raise SystemExit(f"error: {args.input}: no prompts")
-    params = SamplingParams(
+    sampling = dict(
         temperature=args.temperature,
         max_tokens=args.max_tokens,
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
     )
+    params = [SamplingParams(**sampling, priority=row.get("priority", 0)) for row in rows]
     cfg = _engine_config(args)
     tokenizer = load_tokenizer(resolve_model(cfg.model))
     prompts = [encode_prompt(tokenizer, row["prompt"], args.raw) for row in rows]
@@ -84,7 +87,7 @@ def cmd_generate(args) -> None:
     )
 
 
-def run_to_completion(cfg, prompts: list[list[int]], params) -> list[dict]:
+def run_to_completion(cfg, prompts: list[list[int]], params: list) -> list[dict]:
     """TP=1: the single-process engine. TP>1: worker actors on a local Ray (or RAY_ADDRESS) driven
     by the coordinator actor."""
     if cfg.tp == 1:

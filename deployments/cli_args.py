@@ -5,7 +5,7 @@ import argparse
 import functools
 from pathlib import Path
 
-from deployments.engine_flags import engine_args
+from deployments.engine_flags import SCHEDULING_POLICY_HELP, engine_args
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -201,6 +201,12 @@ def _bench_engine_args(b: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="the engines reuse KV blocks of earlier requests' identical prefixes",
+    )
+    b.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default="fcfs",
+        help=SCHEDULING_POLICY_HELP + " (bench's requests all have priority 0)",
     )
 
 

@@ -55,6 +55,7 @@ def _run_bench(args, prompts: list[str], ks, batches, siblings, modes) -> list[d
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
     )
 
 

@@ -3,6 +3,10 @@ ENGINE_FLAGS (plus --no-overlap), with EngineConfig's defaults."""
 
 import argparse
 
+SCHEDULING_POLICY_HELP = (
+    "fcfs: requests in arrival order, a non-zero priority refused; priority: by the requests' "
+    "priority (lower first), then arrival, and the lowest priority preempted first (as vLLM's)"
+)
 ENGINE_FLAGS = (
     "model",
     "drafter",
@@ -18,6 +22,7 @@ ENGINE_FLAGS = (
     "kv_cache_memory_gb",
     "gpu_memory_utilization",
     "enable_prefix_caching",
+    "scheduling_policy",
 )
 
 
@@ -78,6 +83,7 @@ def _model_flags(add) -> None:
     add("--device", choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
     add("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="weights' dtype")
     add("--tp", type=int, help="tensor-parallel size (runs on Ray when > 1)")
+    add("--scheduling-policy", choices=["fcfs", "priority"], help=SCHEDULING_POLICY_HELP)
 
 
 def _memory_flags(add) -> None:

@@ -102,6 +102,8 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False  # vLLM's
     speculative: SpeculativeOptions | None = None  # ours
     # ---- end issue 31b ----
+    # vLLM's: lower is served earlier, under --scheduling-policy priority only
+    priority: Annotated[int, Strict()] = sampling_field("priority")
     # structured outputs (speculative/grammar.py): OpenAI's and vLLM's forms
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -147,6 +149,17 @@ class SamplingRequest(BaseModel):
     def num_choices(self) -> int:
         return self.n
 
+    def check_priority(self, policy: str) -> None:
+        """As vLLM documents the field: a priority other than 0 needs the priority policy."""
+        if self.priority and policy != "priority":
+            raise APIError(
+                400,
+                f"priority {self.priority} needs the priority scheduling policy "
+                f"(--scheduling-policy priority); this server's is {policy}",
+                param="priority",
+                code="invalid_value",
+            )
+
     def structured_spec(self) -> StructuredSpec | None:
         spec = structured_spec(self.response_format, self.structured_outputs)
         if spec is not None and (self.ignore_eos or self.min_tokens):
@@ -182,4 +195,5 @@ class SamplingRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             num_draft_tokens=self.speculative and self.speculative.num_draft_tokens,
             structured=self.structured_spec(),
+            priority=self.priority,
         )

@@ -90,6 +90,7 @@ class OpenAIIngress:
                 code="model_not_found",
             )
         if isinstance(req, (ChatCompletionRequest, CompletionRequest)):
+            req.check_priority(self.cfg.engine.scheduling_policy)
             await self._check_capacity(req)
         return req
 

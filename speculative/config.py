@@ -70,6 +70,9 @@ class SamplingParams(BaseModel):
     num_draft_tokens: int | None = Field(None, ge=0, le=16)
     # structured outputs: every token is one the grammar allows there (speculative/grammar.py)
     structured: StructuredSpec | None = None
+    # vLLM's: under the priority scheduling policy, lower values are admitted first and
+    # preempted last; the scheduler reads it, the workers never do. 0 under fcfs
+    priority: int = Field(0, ge=-(2**63), lt=2**63)
 
     @field_validator("temperature")
     @classmethod
@@ -123,6 +126,9 @@ class EngineConfig(BaseModel):
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     kv_block_size: int = Field(16, ge=16, le=1024, multiple_of=16)
     enable_prefix_caching: bool = True
+    # as vLLM's --scheduling-policy: fcfs admits in arrival order and preempts the latest
+    # admitted; priority admits by (priority, arrival) and preempts the largest (priority, arrival)
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     tp: int = Field(1, ge=1)

@@ -38,16 +38,24 @@ def prompts_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def outputs(prompts_file):
     """Default drafter (speculative), the same with a draft tree, and --drafter none: same prompts,
-    greedy."""
+    greedy. Then the rows with priorities (the last first), one at a time under the priority
+    policy."""
+    rows = [json.loads(line) for line in prompts_file.read_text().splitlines()]
+    urgent_last = prompts_file.with_name("priorities.jsonl")
+    urgent_last.write_text(
+        "".join(json.dumps(r | {"priority": -i}) + "\n" for i, r in enumerate(rows))
+    )
+    priority = ["--scheduling-policy", "priority", "--max-batch-size", 1]
     out = {}
-    for name, flags in (
-        ("default", []),
-        ("tree", ["--draft-siblings", 2]),
-        ("none", ["--drafter", "none"]),
+    for name, source, flags in (
+        ("default", prompts_file, []),
+        ("tree", prompts_file, ["--draft-siblings", 2]),
+        ("none", prompts_file, ["--drafter", "none"]),
+        ("priority", urgent_last, priority),
     ):
         path = prompts_file.with_name(f"out-{name}.jsonl")
         proc = eagleserve(
-            "generate", prompts_file, "-o", path, "--max-tokens", 12, "--max-model-len", 512, *flags
+            "generate", source, "-o", path, "--max-tokens", 12, "--max-model-len", 512, *flags
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "wrote 4 rows" in proc.stderr
@@ -66,7 +74,7 @@ def test_generate_writes_rows(outputs):
 
 def test_drafter_none_is_plain_and_identical(outputs):
     assert all(r["acceptance_length"] == 1.0 for r in outputs["none"])
-    for name in ("default", "tree"):
+    for name in ("default", "tree", "priority"):
         assert [r["token_ids"] for r in outputs["none"]] == [r["token_ids"] for r in outputs[name]]
         assert [r["text"] for r in outputs["none"]] == [r["text"] for r in outputs[name]]
 
@@ -95,6 +103,12 @@ def test_drafter_none_is_plain_and_identical(outputs):
         ),
         ("top-p", '{"prompt": "hi"}\n', ["--top-p", 0], r"top_p: .*greater than 0"),
         ("empty", "\n", [], r"empty\.jsonl: no prompts"),
+        (
+            "priority-type",
+            '{"prompt": "hi", "priority": "1"}\n',
+            ["--scheduling-policy", "priority"],
+            r"priority-type\.jsonl:1: 'priority' must be an integer",
+        ),
         (
             "max-model-len",
             '{"prompt": "hi"}\n',
@@ -316,3 +330,24 @@ def test_prefix_caching_flag_reaches_every_command(tmp_path):
     assert not _serve_config(parse(serve)).engine.enable_prefix_caching
     assert _serve_config(parse([*serve, "--enable-prefix-caching"])).engine.enable_prefix_caching
     assert not parse(["bench", "--no-enable-prefix-caching"]).enable_prefix_caching
+
+
+def test_scheduling_policy_flag_reaches_every_command(tmp_path):
+    """--scheduling-policy for generate, serve (over the file) and bench; fcfs by default."""
+    from deployments.cli import _engine_config
+    from deployments.cli_args import build_parser
+    from deployments.cli_serve import _serve_config
+
+    parse = build_parser("eagleserve").parse_args
+    generate = ["generate", "in.jsonl", "-o", "out.jsonl"]
+    assert _engine_config(parse(generate)).scheduling_policy == "fcfs"
+    policy = ["--scheduling-policy", "priority"]
+    assert _engine_config(parse([*generate, *policy])).scheduling_policy == "priority"
+    config = tmp_path / "serve.yaml"
+    config.write_text("engine: {scheduling_policy: priority}\n")
+    serve = ["serve", "--config", str(config)]
+    assert _serve_config(parse(serve)).engine.scheduling_policy == "priority"
+    fcfs = ["--scheduling-policy", "fcfs"]
+    assert _serve_config(parse([*serve, *fcfs])).engine.scheduling_policy == "fcfs"
+    assert parse(["bench", *policy]).scheduling_policy == "priority"
+    assert parse(["bench"]).scheduling_policy == "fcfs"

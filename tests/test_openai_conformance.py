@@ -1,9 +1,12 @@
 """Checked with what nobody here wrote: response bodies against OpenAI's published OpenAPI document
 (tests/openai_schema), loglikelihoods as lm-evaluation-harness reads them against transformers,
-and every bounded request field at its bound and one past it. A tiny random model (SmolLM2's
-tokenizer) whose EOS greedy decoding reaches, with a drafter; fp32 on CPU."""
+and every bounded request field at its bound and one past it; and vLLM's priority scheduling, the
+server's policy here. A tiny random model (SmolLM2's tokenizer) whose EOS greedy decoding reaches,
+with a drafter; fp32 on CPU."""
 
+import concurrent.futures
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -12,6 +15,7 @@ import openai
 import pytest
 import torch
 from conftest import write_random_drafter
+from ray import serve
 from serve_app import start_app, stop_app
 from tiny_models import tiny_llama
 
@@ -63,6 +67,7 @@ def base_url(model_dir):
             "max_num_batched_tokens": 128,
             "device": "cpu",
             "dtype": "float32",
+            "scheduling_policy": "priority",  # priority's bounds, and its order (below)
         },
         served_model_name=MODEL,
         max_waiting_requests=130,  # n at its bound, 128, fits a replica
@@ -472,3 +477,49 @@ def test_penalties_and_prompt_logprobs_past_the_step_budget(base_url, model_dir)
     torch.testing.assert_close(torch.tensor(got[1:]), want, rtol=1e-4, atol=1e-4)
     r = post(base_url, "/v1/completions", {"prompt": ids, "max_tokens": 57, "frequency_penalty": 1})
     assert r.status_code == 400 and "exceeds" in r.json()["error"]["message"], r.text
+
+
+# ---- the priority policy: a later, more urgent request goes before a waiting one ----
+
+
+def _wait_for(condition, seconds: float = 30) -> None:
+    deadline = time.time() + seconds
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_priority_orders_the_waiting_requests(base_url):
+    """Eight long streams take the eight slots; a request of priority 5, then one of -5, wait.
+    One stream closed frees one slot: the urgent one, which came later, takes it (it streams
+    while one request still waits, the other never streamed); both answer what they answer
+    alone (greedy, speculating)."""
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=120)
+    handle = serve.get_deployment_handle("LLMServer", app_name="eagleserve")
+    load = lambda: handle.stats.remote().result(timeout_s=30)  # noqa: E731
+    ask = dict(model=MODEL, max_tokens=48, temperature=0, extra_body={"ignore_eos": True})
+
+    def answer(prompt: str, priority: int = 0, **kw):
+        body = ask["extra_body"] | {"priority": priority}
+        return client.completions.create(prompt=prompt, **ask | {"extra_body": body}, **kw)
+
+    alone = {p: answer(p).choices[0].text for p in ("The sky is", "Two plus two")}
+    long = dict(model=MODEL, prompt="Hi", max_tokens=240, stream=True)
+    fillers = [client.completions.create(**long, extra_body={"ignore_eos": True}) for _ in range(8)]
+    try:
+        _wait_for(lambda: load()["num_running"] == 8)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            low = pool.submit(answer, "The sky is", 5)
+            _wait_for(lambda: load()["num_waiting"] == 1)
+            urgent = iter(answer("Two plus two", -5, stream=True))
+            _wait_for(lambda: load()["num_waiting"] == 2)
+            fillers.pop().close()
+            first = next(urgent)
+            assert load()["num_waiting"] == 1 and not low.done()
+            text = "".join(c.choices[0].text for c in [first, *urgent] if c.choices)
+            assert text == alone["Two plus two"]
+            fillers.pop().close()
+            assert low.result().choices[0].text == alone["The sky is"]
+    finally:
+        for stream in fillers:
+            stream.close()

@@ -1,10 +1,12 @@
 """Preemption by recompute as a plain state machine: the scheduler and block manager against a
 fake greedy worker, over many random workloads (requests of different lengths joining mid-flight,
 EOS and length stops, aborts, chunked prefill, the prefix cache, a pool that forces preemption),
-with overlap off (plan, then process) and on (one step in flight). The fake keeps token ids where
-a worker keeps K/V, in a pool read through the block table, so a block given to the wrong
-request, reused too early or cached with a rejected draft's row changes the tokens. Every
-request's stream must be plain greedy decoding's, each token once; the pool and slots whole."""
+with overlap off (plan, then process) and on (one step in flight), under both scheduling
+policies (priority: random priorities, so requests are admitted and preempted out of order). The
+fake keeps token ids where a worker keeps K/V, in a pool read through the block table, so a block
+given to the wrong request, reused too early or cached with a rejected draft's row changes the
+tokens. Every request's stream must be plain greedy decoding's, each token once; the pool and
+slots whole."""
 
 import random
 from collections import deque
@@ -90,24 +92,29 @@ class FakeWorker:
         return emitted
 
 
-def workload(rng: random.Random) -> list[tuple[int, list[int], SamplingParams]]:
-    """(engine steps before it joins, prompt, params): some share a prefix, some stop at EOS."""
+def workload(rng: random.Random, policy: str) -> list[tuple[int, list[int], SamplingParams]]:
+    """(engine steps before it joins, prompt, params): some share a prefix, some stop at EOS;
+    under the priority policy each has a priority of -1 to 3."""
     shared = [rng.randrange(2, V) for _ in range(rng.choice([0, 9, 17]))]
     requests = []
     for step in sorted(rng.randint(0, 25) for _ in range(rng.randint(3, 10))):
         prompt = [rng.randrange(2, V) for _ in range(rng.randint(1, 30))]
         params = SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=rng.random() < 0.5)
+        if policy == "priority":
+            params = params.model_copy(update={"priority": rng.randint(-1, 3)})
         requests.append((step, (shared if rng.random() < 0.6 else []) + prompt, params))
     return requests
 
 
-def run(seed: int, overlap: bool) -> Scheduler:
+def run(seed: int, overlap: bool, policy: str = "fcfs") -> Scheduler:
     """One random workload to its end, each request's stream checked."""
     rng = random.Random(seed)
     k, num_slots, num_blocks = rng.choice([0, 1, 3]), rng.choice([2, 4]), rng.choice([14, 20, 32])
     blocks = BlockManager(num_blocks, BLOCK, enable_prefix_caching=rng.random() < 0.8)
-    s = Scheduler(num_slots, 256, rng.choice([16, 32, 256]), k, {EOS}, seed=seed, blocks=blocks)
-    worker, pending, in_flight = FakeWorker(num_blocks, k, rng), deque(workload(rng)), deque()
+    budget = rng.choice([16, 32, 256])
+    s = Scheduler(num_slots, 256, budget, k, {EOS}, seed=seed, blocks=blocks, policy=policy)
+    worker, in_flight = FakeWorker(num_blocks, k, rng), deque()
+    pending = deque(workload(rng, policy))
     requests, streamed, step = [], {}, 0
     abort_at = {rng.randint(0, 30): rng.randrange(len(pending))}
     while pending or s.has_work or in_flight:
@@ -147,19 +154,20 @@ def check_stream(r, outputs: list) -> None:
     assert tokens == r.output_ids == expected[: len(tokens) if is_aborted else None]
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_preemption_is_exact_and_leaves_the_pool_whole(overlap):
+def test_preemption_is_exact_and_leaves_the_pool_whole(overlap, policy):
     num_preempted = 0
     for seed in range(200):
         try:
-            s = run(seed, overlap)
+            s = run(seed, overlap, policy)
             assert sorted(s.free_slots) == list(range(s.num_slots))
             assert not s.waiting and not s.running
             manager = s.kv.manager
             assert manager.num_free == manager.num_blocks
             assert manager.ref_counts == [0] * manager.num_blocks
         except Exception as e:
-            e.add_note(f"workload seed {seed}, overlap {overlap}")
+            e.add_note(f"workload seed {seed}, overlap {overlap}, policy {policy}")
             raise
         num_preempted += s.stats.num_preemptions
     assert num_preempted > 200  # the pool forced preemption often

@@ -2,13 +2,16 @@
 
 import concurrent.futures
 import json
+import threading
+import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import yaml
-from prom_text import label_sets, promql_metric_names, scrape, scrape_until, total
+from prom_text import label_sets, promql_metric_names, scrape, total
+from ray import serve
 from serve_app import start_app, stop_app
 
 from deployments.config import ServeConfig
@@ -123,9 +126,10 @@ def test_completions(client):
 
 
 def test_n_choices_are_seeded_requests(client, alone):
-    """Choice i of a seeded request is the request with seed + i; streamed, the choices interleave
-    by index and equal the non-streamed ones. (top_k keeps the draws off the float32 noise of the
-    distribution's tail, which changes with the batch's shape.)"""
+    """Choice i of a seeded request is the request with seed + i (as vLLM's), the same again when
+    asked again; streamed, the choices interleave by index and equal the non-streamed ones; greedy,
+    n equal choices are the n=1 answer. Usage counts every choice's tokens. (top_k keeps the draws
+    off the float32 noise of the distribution's tail, which changes with the batch's shape.)"""
     kw = dict(
         model=MODEL,
         prompt="Once upon a time",
@@ -139,6 +143,9 @@ def test_n_choices_are_seeded_requests(client, alone):
     single = [client.completions.create(**{**kw, "seed": 7 + i}) for i in range(3)]
     assert [c.text for c in r.choices] == [s.choices[0].text for s in single]
     assert len({c.text for c in r.choices}) > 1  # sampled apart
+    assert [c.text for c in client.completions.create(n=3, **kw).choices] == [
+        c.text for c in r.choices
+    ]
     assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in single)
     assert r.usage.prompt_tokens == single[0].usage.prompt_tokens
 
@@ -162,8 +169,10 @@ def test_n_choices_are_seeded_requests(client, alone):
         )
         assert "".join(d.delta.content or "" for d in deltas) == choice.message.content
     assert stream[-1].usage.completion_tokens == full.usage.completion_tokens
-    greedy = chat(client, QUESTIONS[3], n=2)
-    assert [c.message.content for c in greedy.choices] == [alone[QUESTIONS[3]]] * 2
+    greedy, one = chat(client, QUESTIONS[3], n=3), chat(client, QUESTIONS[3])
+    assert [c.message.content for c in greedy.choices] == [alone[QUESTIONS[3]]] * 3
+    assert greedy.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert greedy.usage.prompt_tokens == one.usage.prompt_tokens
 
 
 def test_logprobs(client, alone):
@@ -562,37 +571,81 @@ def test_16_concurrent_requests_equal_their_alone_output(client, alone):
     assert answers == [alone[q] for q in questions]
 
 
-def _batch_empties_within(base_url, seconds: float) -> bool:
-    def empty(samples):
-        return total(samples, "vllm:num_requests_running") == 0
-
-    return empty(scrape_until(base_url, empty, seconds))
+@pytest.fixture(scope="module")
+def llm_server(base_url):
+    return serve.get_deployment_handle("LLMServer", app_name="eagleserve")
 
 
-def test_a_client_gone_frees_its_slot(client, base_url):
-    """A closed stream, or a client that stopped waiting, ends its request within seconds (460
-    tokens take ~20 s here): its cancellation is not mistaken for a failed replica to resume on."""
-    stream = chat(
-        client,
-        "Write a very long story about a dragon.",
-        max_tokens=460,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    for i, _ in enumerate(stream):
-        if i == 3:
-            break
-    stream.close()
-    assert _batch_empties_within(base_url, 5)
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 460, "ignore_eos": True}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(
-            f"{base_url}/v1/completions",
-            json=body,
-            headers={"Authorization": f"Bearer {KEY}"},
-            timeout=2,
-        )
-    assert _batch_empties_within(base_url, 5)
+def engine_load(llm_server) -> tuple[int, int, float]:
+    """(requests running, requests waiting, the fraction of KV blocks in use), from the replica's
+    own stats rather than the /metrics text."""
+    stats = llm_server.stats.remote().result(timeout_s=30)
+    return stats["num_running"], stats["num_waiting"], stats["scheduler"]["kv_cache_usage_perc"]
+
+
+def _settles_within(llm_server, seconds: float, requests_at_most: int) -> bool:
+    """Whether running + waiting requests fall to requests_at_most (0: no KV block held either)."""
+    deadline = time.time() + seconds
+    while True:
+        running, waiting, usage = engine_load(llm_server)
+        if running + waiting <= requests_at_most and (requests_at_most or usage == 0):
+            return True
+        if time.time() > deadline:
+            return False
+        time.sleep(0.25)
+
+
+def test_a_client_gone_leaves_nothing_running(client, base_url, llm_server, alone):
+    """Streams closed after a few chunks (n=1, and n=3: every choice), and a non-streamed request
+    (n=2) whose client stopped waiting, end their requests within seconds (460 tokens take ~20 s
+    here), while one greedy request after another runs beside them and answers what it answers
+    alone; then nothing runs or waits and no KV block is held. A cancellation is not mistaken for
+    a failed replica to resume on."""
+    stop = threading.Event()
+
+    def beside() -> list[tuple[str, str]]:
+        answers = []
+        while not stop.is_set():
+            q = QUESTIONS[len(answers) % len(QUESTIONS)]
+            answers.append((q, chat(client, q).choices[0].message.content))
+        return answers
+
+    story = [{"role": "user", "content": "Write a very long story about a dragon."}]
+    plain = {"model": MODEL, "max_tokens": 460}
+    long = plain | {"extra_body": {"ignore_eos": True}}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answers = pool.submit(beside)
+        try:
+            for n in (1, 3):
+                stream = client.chat.completions.create(messages=story, n=n, stream=True, **long)
+                for i, _ in enumerate(stream):
+                    if i == 3 * n:
+                        break
+                stream.close()
+                assert _settles_within(llm_server, 5, requests_at_most=1)
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(
+                    f"{base_url}/v1/completions",
+                    json={"prompt": "Once upon a time", "n": 2, "ignore_eos": True} | plain,
+                    headers={"Authorization": f"Bearer {KEY}"},
+                    timeout=2,
+                )
+            assert _settles_within(llm_server, 5, requests_at_most=1)
+        finally:
+            stop.set()
+        answers = answers.result()
+    assert answers and answers == [(q, alone[q]) for q, _ in answers]
+    assert _settles_within(llm_server, 5, requests_at_most=0)
+
+
+def test_priority_needs_the_priority_policy(client, alone):
+    """This server schedules fcfs (the default): a priority other than 0 is a 400 naming it, as
+    vLLM documents the field; priority 0 is served."""
+    with pytest.raises(openai.BadRequestError, match="--scheduling-policy priority") as e:
+        chat(client, QUESTIONS[0], extra_body={"priority": 1})
+    assert e.value.param == "priority"
+    answer = chat(client, QUESTIONS[0], extra_body={"priority": 0}).choices[0].message.content
+    assert answer == alone[QUESTIONS[0]]
 
 
 def test_overload_gets_429_not_a_hang(base_url):

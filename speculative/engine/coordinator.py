@@ -62,15 +62,18 @@ class Coordinator:
         if stream is not None:
             self.commands.put(("abort", request_id, stream))
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[dict]:
-        """Blocking: run prompts to completion (the CLI's path)."""
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[dict]:
+        """Blocking: run prompts to completion (the CLI's path), with one params or one each."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
         sinks = []
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
             sink = queue.Queue()
-            self.add(f"gen-{uuid.uuid4().hex[:8]}-{i}", prompt, params, sink)
+            self.add(f"gen-{uuid.uuid4().hex[:8]}-{i}", prompt, p, sink)
             sinks.append(sink)
         results = []
-        for sink in sinks:
+        for sink, p in zip(sinks, params_list):
             tokens, logprobs, out = [], [], None
             while (item := sink.get()) is not None:
                 if isinstance(item, Exception):
@@ -83,7 +86,7 @@ class Coordinator:
                     "token_ids": tokens,
                     "finish_reason": out.finish_reason if out else None,
                     "acceptance_length": out.acceptance_length if out else 1.0,
-                    "logprobs": logprobs if params.logprobs is not None else None,
+                    "logprobs": logprobs if p.logprobs is not None else None,
                 }
             )
         return results

@@ -71,6 +71,7 @@ class LLMEngine:
                 executor.block_size,
                 cfg.enable_prefix_caching and not cfg.prompt_lookup,
             ),
+            policy=cfg.scheduling_policy,
         )
         self.in_flight = deque()  # (plan, handle), oldest first
         self.overlap = cfg.overlap  # may be switched between runs (benchmarks)

@@ -51,6 +51,12 @@ class Request:
     num_confirmed: int = 0
     # with params.prompt_logprobs: the prompt's tokens 1.. scored so far, chunk by chunk
     prompt_logprobs: list = field(default_factory=list)
+    arrival: int = 0  # the order in which the scheduler received it
+
+    @property
+    def priority_key(self) -> tuple[int, int]:
+        """The priority policy's order: lower priority values first, then earlier arrivals."""
+        return self.params.priority, self.arrival
 
     @property
     def is_finished(self) -> bool:

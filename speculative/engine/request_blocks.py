@@ -2,8 +2,9 @@
 
 How many blocks a request needs for a step, growing its block list (and the plan's block-table
 updates), the prefix cache's blocks at admission, giving blocks back, and each step's reservation:
-blocks for every row the step writes, oldest request first, preempting the newest where the pool
-runs out (recompute: a preempted request gives all its blocks back and is prefilled again later)."""
+blocks for every row the step writes, oldest request first; where the pool runs out, a request
+gives all its blocks back (recompute: it is prefilled again later): the newest under fcfs, the
+one of largest (priority, arrival) under the priority policy."""
 
 from speculative.engine.block_manager import BlockManager
 
@@ -12,8 +13,11 @@ class RequestBlocks:
     """The scheduler's side of the pool: how many blocks a request needs for a step, growing
     its block list (and the plan's block-table updates) and giving blocks back."""
 
-    def __init__(self, manager: BlockManager, k: int, tree_rows: int, max_model_len: int):
+    def __init__(
+        self, manager: BlockManager, k: int, tree_rows: int, max_model_len: int, policy="fcfs"
+    ):
         self.manager, self.k, self.tree_rows = manager, k, tree_rows
+        self.policy = policy  # the scheduling policy, which picks whom to preempt
         # the worker's per-request cache length (workers/model_runner.py): the last token's
         # K+1 past it, twice (a step in flight may overrun a finished request), the tree's rows
         self.max_blocks = manager.blocks_for(max_model_len + 2 * (k + 1) + tree_rows + 1)
@@ -77,10 +81,10 @@ class RequestBlocks:
 
     def reserve(self, running: dict, decodes: list, chunks: dict) -> tuple:
         """Blocks for the rows the next step writes (decodes, and prefill chunks {request id:
-        chunk end}), oldest request first; where the pool runs out, the most recently admitted
-        running request that holds blocks gives them all back (it is recomputed from its tokens
-        later). The preempted stay in `running` here: the scheduler requeues them. -> (the
-        decodes and chunks not preempted, the block-table updates, the preempted, newest first)."""
+        chunk end}), oldest request first; where the pool runs out, a running request that holds
+        blocks gives them all back (`_preempt_one`; it is recomputed from its tokens later). The
+        preempted stay in `running` here: the scheduler requeues them. -> (the decodes and chunks
+        not preempted, the block-table updates, the preempted, in the order they were taken)."""
         updates, preempted = [], []
         decode_ids = {r.request_id for r in decodes}
         rows = [r for r in running.values() if r.request_id in decode_ids or r.request_id in chunks]
@@ -92,17 +96,22 @@ class RequestBlocks:
             else:
                 missing = max(0, self.needed(chunks[r.request_id], 1) - len(r.blocks))
             while missing > self.manager.num_free and not r.is_preempted:
-                preempted.append(self._preempt_newest(running))
+                preempted.append(self._preempt_one(running))
             if not r.is_preempted:
                 self.grow(r, missing, updates)
         decodes = [r for r in decodes if not r.is_preempted]
         chunks = {i: end for i, end in chunks.items() if not running[i].is_preempted}
         return decodes, chunks, updates, preempted
 
-    def _preempt_newest(self, running: dict):
-        """The most recently admitted request that holds blocks and goes on (a finished one's
-        come back once its last step is processed) gives them back. -> that request."""
-        r = next(v for v in reversed(running.values()) if v.blocks and not v.is_finished)
+    def _preempt_one(self, running: dict):
+        """Of the running requests that hold blocks and go on (a finished one's come back once
+        its last step is processed), the most recently admitted (fcfs) or the one of largest
+        (priority, arrival) (priority, as vLLM's) gives them back. -> that request."""
+        holders = [v for v in running.values() if v.blocks and not v.is_finished]
+        if self.policy == "priority":
+            r = max(holders, key=lambda v: v.priority_key)
+        else:
+            r = holders[-1]
         self.free(r)
         r.is_preempted = True
         return r

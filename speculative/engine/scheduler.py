@@ -8,11 +8,11 @@ there are dropped, and its slot is released only after the last step that used i
 
 It keeps the queues and slots. Its parts: the intake checks and builds new requests (intake.py),
 the prefill planner fills each step's token budget (chunked_prefill.py), and the paged pool's
-bookkeeping reserves each step's blocks and picks whom to preempt (request_blocks.py)."""
+bookkeeping reserves each step's blocks and picks whom to preempt (request_blocks.py); the
+scheduling policy orders the waiting queue (waiting_queue.py) and picks whom to preempt."""
 
 import itertools
 import logging
-from collections import deque
 
 import torch
 
@@ -23,6 +23,7 @@ from speculative.engine.detokenizer import append_tokens, detokenize
 from speculative.engine.intake import RequestIntake
 from speculative.engine.request import Request, RequestError, RequestOutput, StepStats, row_logprobs
 from speculative.engine.request_blocks import RequestBlocks
+from speculative.engine.waiting_queue import WaitingQueue
 from speculative.grammar import bitmask_width
 from speculative.plan import PrefillRow, StepPlan, StepResult, step_flags
 
@@ -42,12 +43,14 @@ class Scheduler:
         vocab_size: int | None = None,
         tree_rows: int = 0,
         blocks: BlockManager | None = None,
+        policy: str = "fcfs",  # EngineConfig.scheduling_policy
     ):
         self.num_slots, self.max_model_len, self.k = num_slots, max_model_len, k
         # KV rows a verify pass writes past the chain (the draft tree's siblings)
         self.tree_rows = tree_rows
         self.eos_token_ids, self.tokenizer = eos_token_ids, tokenizer  # for outputs' stops and text
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(policy)
+        self.arrivals = itertools.count()
         self.running: dict[str, Request] = {}
         self.free_slots = list(range(num_slots))
         self.slots_to_release: list[int] = []  # free on the host, to be freed on the workers
@@ -55,7 +58,7 @@ class Scheduler:
         self.stats = StepStats(accepted_at=[0] * k)
         self.rows_of_step: dict[int, list[str]] = {}  # request id of each result row, per step
         # the paged KV pool's blocks; None: plans over the workers' contiguous per-slot caches
-        self.kv = RequestBlocks(blocks, k, tree_rows, max_model_len) if blocks else None
+        self.kv = RequestBlocks(blocks, k, tree_rows, max_model_len, policy) if blocks else None
         self.prefill = PrefillPlanner(
             self.running, self.kv, k, tree_rows, max_num_batched_tokens, eos_token_ids
         )
@@ -67,6 +70,11 @@ class Scheduler:
 
     def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError if the request cannot be served; changes nothing."""
+        if params.priority and self.waiting.policy == "fcfs":  # as vLLM's documentation says
+            raise RequestError(
+                f"priority {params.priority} needs the priority scheduling policy "
+                "(--scheduling-policy priority); this server's is fcfs"
+            )
         self.intake.validate(request_id, prompt_ids, params)
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
@@ -74,7 +82,8 @@ class Scheduler:
         if self.in_use(request_id):
             raise RequestError(f"request id {request_id!r} is already in use")
         request = self.intake.new_request(request_id, prompt_ids, params)
-        self.waiting.append(request)
+        request.arrival = next(self.arrivals)
+        self.waiting.add(request)
         return request
 
     def in_use(self, request_id: str) -> bool:
@@ -289,7 +298,7 @@ class Scheduler:
         self.running.pop(r.request_id, None)
 
     def _preempt(self, preempted: list[Request]) -> None:
-        """Requests that gave their blocks back (newest first) queue again, oldest in front, to be
+        """Requests that gave their blocks back queue again (fcfs: in front, oldest first), to be
         prefilled from their prompt and output once no step in flight holds them: the tokens such
         a step emits are streamed and kept, as without preemption."""
         self.stats.num_preemptions += len(preempted)
@@ -300,4 +309,4 @@ class Scheduler:
     def _requeue(self, r: Request) -> None:
         self._release(r)
         r.is_preempted = False
-        self.waiting.appendleft(r)
+        self.waiting.put_back(r)
