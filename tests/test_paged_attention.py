@@ -131,9 +131,9 @@ def test_engine_with_the_kernel_gives_the_reference_paths_tokens(
     drafter_dir = tiny_drafter_dir if drafter else "none"
     calls = []
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         calls.append(args[2].tree is not None)
-        return paged_attention(*args)
+        return paged_attention(*args, **kwargs)
 
     monkeypatch.setattr(workers.layers.paged_attention, "paged_attention", counted)
     outputs = []
@@ -161,13 +161,13 @@ def test_engine_picks_the_kernel_by_query_length(tiny_dir, tiny_drafter_dir, mon
     reference_ids = [r.output_ids for r in run_to_completion(engine, prompts, params, [0, 0, 3, 3])]
     kernel_rows, gather_rows = [], []
 
-    def counted(q, *args):
+    def counted(q, *args, **kwargs):
         kernel_rows.append(q.shape[1])
-        return paged_attention(q, *args)
+        return paged_attention(q, *args, **kwargs)
 
-    def counted_gather(cache, batch):
+    def counted_gather(cache, batch, *scale_and_dtype):
         gather_rows.append(batch.positions.shape[1])
-        return read_kv(cache, batch)
+        return read_kv(cache, batch, *scale_and_dtype)
 
     monkeypatch.setattr(workers.layers.paged_attention, "paged_attention", counted)
     monkeypatch.setattr(workers.layers.attention, "read_kv", counted_gather)
