@@ -229,3 +229,37 @@ def test_speculative_greedy_equals_plain_with_an_fp8_target(tmp_path, wide_dir, 
     assert [r.output_ids for r in drafted] == [r.output_ids for r in plain]
     assert engine.executor.drafter.fc.weight.dtype == torch.float32
     assert engine.executor.target.layers[0].mlp.down_proj.weight.dtype == FP8
+
+
+def test_fp8_kv_cache_speculative_equals_plain(tmp_path, wide_dir):
+    """kv_cache_dtype fp8 over an FP8 checkpoint with per-layer K and V scales (its
+    kv_cache_scheme): the pool in E4M3 at the checkpoint's scales, and speculative greedy
+    tokens equal plain greedy ones."""
+    model = write_fp8(wide_dir, tmp_path / "kv", "ct-channel", kv_scales=True)
+    drafter = write_random_drafter(tmp_path / "drafter", wide_dir)
+    prompts = tiny_prompts(5, seed=6)
+    joins = [0, 0, 1, 3, 6]
+    plain_engine = tiny_engine(model, kv_cache_dtype="fp8")
+    plain = run_to_completion(plain_engine, prompts, GREEDY, joins)
+    engine = tiny_engine(model, drafter, k=3, max_batch_size=3, kv_cache_dtype="fp8")
+    drafted = run_to_completion(engine, prompts, GREEDY, joins)
+    assert [r.output_ids for r in drafted] == [r.output_ids for r in plain]
+    kv = engine.executor.kv
+    assert kv.target.dtype == FP8 and kv.drafter.dtype == FP8
+    scales = [layer.self_attn.kv_scale for layer in engine.executor.target.layers]
+    assert scales == [pytest.approx([0.05 + 0.01 * i, 0.02 + 0.01 * i]) for i in range(4)]
+
+
+def test_fp8_kv_cache_holds_a_quarter_of_float32s_bytes_a_token(float_dir, caplog):
+    """The same kv_cache_memory_gb holds 4x float32's tokens (2x bfloat16's): one byte an
+    element, as the start log says."""
+    engines = {
+        dtype: tiny_engine(float_dir, kv_cache_memory_gb=0.001, kv_cache_dtype=dtype)
+        for dtype in ("auto", "fp8")
+    }
+    auto, fp8 = (engines[d].executor.kv for d in ("auto", "fp8"))
+    assert fp8.bytes_per_token == 4 * 2 * 2 * 16 == auto.bytes_per_token // 4
+    assert 4 * auto.num_blocks <= fp8.num_blocks < 4 * (auto.num_blocks + 1)  # whole blocks
+    with caplog.at_level("INFO", logger="workers.model_runner"):
+        tiny_engine(float_dir, kv_cache_memory_gb=0.001, kv_cache_dtype="fp8")
+    assert any("KV cache 256 bytes per token" in r.getMessage() for r in caplog.records)

@@ -67,21 +67,24 @@ def quantize(w: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale.float()).clamp(-448, 448).to(FP8), scale
 
 
-def write_fp8(src: Path, out: Path, layout: str, kv_scales: bool = False) -> Path:
-    """The float checkpoint `src` in FP8 `layout`, with the rest of its directory."""
+def write_fp8(src: Path, out: Path, layout: str | None, kv_scales: bool = False) -> Path:
+    """The float checkpoint `src` in FP8 `layout` (None: its weights as they are), with the
+    rest of its directory."""
     out = Path(out)
     shutil.copytree(src, out)
     tensors = load_file(str(out / "model.safetensors"))
     for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in LINEARS]:
-        tensors[name], tensors[name + "_scale"] = quantize(tensors[name], layout)
+        if layout is not None:
+            tensors[name], tensors[name + "_scale"] = quantize(tensors[name], layout)
     if kv_scales:  # scales near each layer's key and value magnitudes
         for i in range(json.loads((out / "config.json").read_text())["num_hidden_layers"]):
             tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.05 + 0.01 * i)
             tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.02 + 0.01 * i)
     save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / "model.safetensors"))
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = quantization_config(layout, kv_scales)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if layout is not None:
+        config = json.loads((out / "config.json").read_text())
+        config["quantization_config"] = quantization_config(layout, kv_scales)
+        (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
 
