@@ -54,23 +54,30 @@ def uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+def scaled_mm_product(x8, x_scale, weight, scale, dtype: torch.dtype) -> torch.Tensor:
+    """[M, N] in dtype (bfloat16) from FP8 x8 [M, K] and weight [N, K], on FP8 tensor cores.
+    weight.t() is the column-major [K, N] operand cuBLAS wants; row-wise scales are float32
+    [M, 1] and [1, N]."""
+    return torch._scaled_mm(
+        x8, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=dtype
+    )
+
+
+def widened_product(x8, x_scale, weight, scale, dtype: torch.dtype) -> torch.Tensor:
+    """The same product without FP8 GEMMs: products of E4M3 values are exact in float32 (on
+    CPU); on a GPU the model's dtype keeps the widened weights' bytes down (its GEMMs
+    accumulate in float32 too)."""
+    wide = torch.float32 if x8.device.type == "cpu" else dtype
+    return F.linear(x8.to(wide), weight.to(wide)).mul_(x_scale).mul_(scale).to(dtype)
+
+
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [..., K] @ (weight [N, K] FP8 x scale [N]).T + bias, in x's dtype."""
-    rows = x.reshape(-1, x.shape[-1])
-    x8, x_scale = quantize_per_token(rows)  # [M, K], [M, 1]
-    if uses_scaled_mm(x, weight):
-        # weight.t() is the column-major [K, N] operand cuBLAS wants
-        out = torch._scaled_mm(
-            x8, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype
-        )
-    else:
-        # products of E4M3 values are exact in float32; on a GPU without FP8 GEMMs, the model's
-        # dtype keeps the weights' bytes down (accumulation is float32 there too)
-        wide = torch.float32 if x.device.type == "cpu" else x.dtype
-        out = F.linear(x8.to(wide), weight.to(wide)).mul_(x_scale).mul_(scale)
-        out = out.to(x.dtype)
+    x8, x_scale = quantize_per_token(x.reshape(-1, x.shape[-1]))  # [M, K], [M, 1]
+    product = scaled_mm_product if uses_scaled_mm(x, weight) else widened_product
+    out = product(x8, x_scale, weight, scale, x.dtype)
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -87,6 +87,11 @@ def resolve_model(name_or_path: str) -> Path:
         return convert_gguf_cached(smollm2_gguf_path(), DEFAULT_MODEL, cache_root())
     path = Path(name_or_path)
     if path.suffix == ".gguf" and path.is_file():
+        log.info(
+            "%s: GGUF weights are dequantized at load (a Q4 or Q8 file takes the dtype's bytes); "
+            "--quantization fp8 stores the linear layers in FP8",
+            path,
+        )
         return convert_gguf_cached(path, path.stem, cache_root())
     if not path.is_dir():
         raise FileNotFoundError(
