@@ -1,6 +1,7 @@
 """The families through TP=2 on gloo (Ray workers): Qwen2's biased q/k/v projections shard with
 their heads (yarn RoPE), Qwen3's per-head q/k norms, Llama 3.1's scaled RoPE and Mistral's layer;
-greedy output stays transformers' token for token."""
+greedy output stays transformers' token for token. An FP8 checkpoint's weights and scales shard
+too, decoding as TP=1 does."""
 
 import pytest
 import ray
