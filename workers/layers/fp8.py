@@ -59,7 +59,7 @@ def scaled_mm_product(x8, x_scale, weight, scale, dtype: torch.dtype) -> torch.T
     weight.t() is the column-major [K, N] operand cuBLAS wants; row-wise scales are float32
     [M, 1] and [1, N]."""
     return torch._scaled_mm(
-        x8, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=dtype
+        x8.contiguous(), weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=dtype
     )
 
 
