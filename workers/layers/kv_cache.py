@@ -160,6 +160,10 @@ class KVCache:
 
     def bind(self, target_attention: list, drafter_attention=None) -> None:
         """Hand each attention module its layer's pool."""
+        if self.target.dtype == FP8 and all(a.kv_scale == [1.0, 1.0] for a in target_attention):
+            log.warning(  # as vLLM warns: E4M3 rows of K and V as they are, from -448 to 448
+                "FP8 KV cache with scales of 1.0 (the checkpoint has no k_scale / v_scale)"
+            )
         for attn, pool in zip(target_attention, self.target, strict=True):
             attn.cache = pool
         if drafter_attention is not None:
