@@ -5,6 +5,8 @@ batch 1, 8, 32 and contexts 1k, 8k, 32k where their KV fits in --kv-gib (32 x 32
 GiB). The floor is the bytes a forward reads (the target's weights but its embedding table) over
 the measured copy bandwidth; the step's floor adds K drafter forwards. Prints a table, writes
 JSON (default $OUT/step_floor.json). The issue's goal: verify at batch 1, 1k within 1.3x.
+`--quantization fp8` runs the target's linear layers in FP8 (the floor is then FP8's bytes),
+`--kv-cache-dtype fp8` the KV cache.
 
     python3 benchmarks/step_floor.py                     # on a GPU (about 1-2 minutes)
     python3 benchmarks/step_floor.py --tiny              # CPU dry run, a tiny model
@@ -120,6 +122,7 @@ def make_runner(args, fits: list, per_token: int):
         model=args.model, drafter=args.drafter, num_draft_tokens=args.k,
         max_batch_size=max(b for b, _, _ in fits), max_model_len=max(c for _, c, _ in fits) + 64,
         kv_cache_memory_gb=pool_gib, device=args.device, dtype=args.dtype, cuda_graphs=False,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
     return rb.build_runner(cfg, graphs=False, draft_vocab_size=args.draft_vocab)
 
@@ -151,7 +154,8 @@ def memory_gib(runner) -> dict:
 
 def print_table(out: dict) -> None:
     f = out["floors"]
-    print(f"{out['model']} (drafter {out['drafter']}, K={out['k']}) on {out['device']}: "
+    print(f"{out['model']} (drafter {out['drafter']}, K={out['k']}, weights "
+          f"{out['quantization'] or out['dtype']}, KV {out['kv_cache_dtype']}) on {out['device']}: "
           f"bandwidth {out['bandwidth_tb_s']:.2f} TB/s, target reads {f['target_read_gib']:.2f} "
           f"GiB: verify floor {f['verify_floor_ms']:.2f} ms, step floor "
           f"{f['step_floor_ms']:.2f} ms")  # fmt: skip
@@ -182,6 +186,8 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", choices=["fp8"], default=None, help="the target's weights")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     p.add_argument("--tiny", action="store_true", help="CPU dry run: a tiny model, small sizes")
     default_out = Path(os.environ.get("OUT", ".")) / "step_floor.json"
     p.add_argument("-o", "--output", type=Path, default=default_out)
@@ -206,13 +212,15 @@ def main() -> None:
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     model_cfg = rb.model_config(args.model)
-    per_token = rb.kv_bytes_per_token(model_cfg, dtype, args.drafter != "none")
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else dtype
+    per_token = rb.kv_bytes_per_token(model_cfg, kv_dtype, args.drafter != "none")
     fits, skipped = grid(args, per_token, model_cfg.max_position_embeddings)
     bandwidth = bandwidth_bytes_per_s(device)
     rb.free_memory()
     runner = make_runner(args, fits, per_token)
     out = {"model": args.model, "drafter": args.drafter, "draft_vocab": args.draft_vocab,
            "k": runner.K, "dtype": str(dtype), "device": rb.device_name(device),
+           "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
            "bandwidth_tb_s": bandwidth / 1e12, "kv_gib": args.kv_gib,
            "max_positions": model_cfg.max_position_embeddings,
            "kv_capacity": runner.kv.capacity(runner.max_model_len),

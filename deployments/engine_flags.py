@@ -16,6 +16,8 @@ ENGINE_FLAGS = (
     "max_num_batched_tokens",
     "device",
     "dtype",
+    "quantization",
+    "kv_cache_dtype",
     "tp",
     "prompt_lookup",
     "draft_siblings",
@@ -82,6 +84,18 @@ def _model_flags(add) -> None:
     )
     add("--device", choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
     add("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="weights' dtype")
+    add(
+        "--quantization",
+        choices=["fp8"],
+        help="fp8: the target's linear layers in FP8, quantized at load (FP8 checkpoints "
+        "load as FP8 without it)",
+        shown="none",
+    )
+    add(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        help="auto: the weights' dtype; fp8: E4M3 with a scale per layer (twice the tokens)",
+    )
     add("--tp", type=int, help="tensor-parallel size (runs on Ray when > 1)")
     add("--scheduling-policy", choices=["fcfs", "priority"], help=SCHEDULING_POLICY_HELP)
 

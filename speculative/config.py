@@ -130,6 +130,12 @@ class EngineConfig(BaseModel):
     # admitted; priority admits by (priority, arrival) and preempts the largest (priority, arrival)
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # fp8: the target's linear layers in FP8 E4M3, a bf16/fp16 checkpoint's quantized at load
+    # with a scale per output row (an FP8 checkpoint is FP8 without it); embeddings, the LM head
+    # and the drafter stay in dtype. KV cache fp8: E4M3 rows with a scale per layer, twice the
+    # tokens in the same memory
+    quantization: Literal["fp8"] | None = None
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     tp: int = Field(1, ge=1)
     overlap: bool = True

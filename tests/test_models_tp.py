@@ -1,6 +1,7 @@
 """The families through TP=2 on gloo (Ray workers): Qwen2's biased q/k/v projections shard with
 their heads (yarn RoPE), Qwen3's per-head q/k norms, Llama 3.1's scaled RoPE and Mistral's layer;
-greedy output stays transformers' token for token."""
+greedy output stays transformers' token for token. An FP8 checkpoint's weights and scales shard
+too, decoding as TP=1 does."""
 
 import pytest
 import ray
@@ -44,3 +45,29 @@ def test_tp2_greedy_matches_transformers(tmp_path, family, rope):
         ray.kill(coordinator)
     for prompt, result in zip(prompts, results):
         assert_greedy_equal(result["token_ids"], *hf_greedy(target, prompt, 16))
+
+
+def test_tp2_fp8_checkpoint_decodes_as_tp1(tmp_path):
+    """An FP8 checkpoint (compressed-tensors, per-channel scales) over TP=2: weights and scales
+    shard with their rows (q/k/v, gate/up), row-parallel layers keep every scale; the greedy
+    tokens are TP=1's (each rank quantizes its own slice of the row-parallel activations, as
+    vLLM's do: tokens, not bits, are compared, on weights narrow enough (std 0.05) that FP8's
+    rounding moves the logits by about 1%)."""
+    from conftest import run_to_completion, tiny_engine
+    from tiny_fp8 import write_fp8
+
+    target = write_fp8(
+        write_tiny_family(tmp_path / "llama", "llama", std=0.05), tmp_path / "fp8", "ct-channel"
+    )
+    prompts = tiny_prompts(3, vocab=96, seed=2, min_len=20, max_len=150)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    reference = run_to_completion(tiny_engine(target), prompts, params)
+    cfg = EngineConfig(model=str(target), drafter="none", max_batch_size=4, max_model_len=256,
+                       tp=2, device="cpu", dtype="float32")  # fmt: skip
+    coordinator = CoordinatorActor.remote(cfg)
+    try:
+        results = ray.get(coordinator.generate.remote(prompts, params))
+    finally:
+        ray.get(coordinator.shutdown.remote())
+        ray.kill(coordinator)
+    assert [r["token_ids"] for r in results] == [r.output_ids for r in reference]

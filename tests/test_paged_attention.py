@@ -27,12 +27,13 @@ from speculative.config import SamplingParams  # noqa: E402
 from speculative.draft_tree import tree_layout  # noqa: E402
 from workers.layers import attention_backend  # noqa: E402
 from workers.layers.attention import hidden_keys  # noqa: E402
+from workers.layers.fp8 import FP8, to_fp8  # noqa: E402
 from workers.layers.kv_cache import ForwardBatch, read_kv  # noqa: E402
 from workers.layers.paged_attention import paged_attention  # noqa: E402
 
 
-def reference(q: torch.Tensor, pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    kv = read_kv(pool, batch)  # [2, B, KV, S, D]
+def reference(q: torch.Tensor, pool: torch.Tensor, batch: ForwardBatch, scale=(1.0, 1.0)):
+    kv = read_kv(pool, batch, scale, q.dtype)  # [2, B, KV, S, D]
     hidden = hidden_keys(batch)
     bias = torch.zeros(hidden.shape, device=q.device).masked_fill_(hidden, float("-inf"))
     out = F.scaled_dot_product_attention(
@@ -117,6 +118,53 @@ def test_rows_read_only_their_own_blocks():
     torch.testing.assert_close(paged_attention(q, pool, batch), before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T, tree, num_splits", [(1, None, 1), (4, None, 1), (6, None, 3),
+                                                 (7, (3, 1), 2)])  # fmt: skip
+def test_fp8_pool_matches_the_reference(dtype, T, tree, num_splits):
+    """An FP8 pool, K and V each divided by its layer's scale: the kernel widens and scales
+    its tiles as the gather path's read_kv does, whose rows are the pool's times the scales.
+    bfloat16 queries run on CUDA only (Triton's interpreter computes bfloat16 dots wrongly)."""
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("bfloat16 dots: on CUDA only")
+    g = torch.Generator().manual_seed(T * 10 + num_splits)
+    layout = None if tree is None else tree_layout(*tree)
+    q, pool, batch = random_batch(g, 3, T, 8, 2, 32, 16, tree=layout, max_blocks=12)
+    scale = (0.02, 0.01)  # keys and values up to about 5 each: up to 250 of E4M3's 448
+    pool8 = torch.stack([to_fp8(pool[0], scale[0]), to_fp8(pool[1], scale[1])])
+    assert pool8.dtype == FP8
+    widened = torch.stack([pool8[0].float() * scale[0], pool8[1].float() * scale[1]])
+    gathered = read_kv(pool8, batch, scale, torch.float32)
+    torch.testing.assert_close(gathered, read_kv(widened, batch), rtol=0, atol=0)
+    q = q.to(dtype)
+    out = paged_attention(q, pool8, batch, num_splits=num_splits, kv_scale=scale)
+    tolerance = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(out, reference(q, pool8, batch, scale), **tolerance)
+
+
+def test_fp8_kv_cache_in_the_engine_kernel_gives_the_gather_paths_tokens(
+    tmp_path, tiny_dir, tiny_drafter_dir, monkeypatch
+):
+    """kv_cache_dtype fp8 with a checkpoint's per-layer K and V scales: the engine's greedy
+    tokens with every attention run by the kernel (prefill, verify, drafts) are the gather
+    path's."""
+    from tiny_fp8 import write_fp8
+
+    target = write_fp8(tiny_dir, tmp_path / "kv-scales", None, kv_scales=True)
+    prompts = tiny_prompts(2, seed=12, min_len=20, max_len=30)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    outputs = []
+    for kernel in (False, True):
+        monkeypatch.setattr(
+            attention_backend, "use_paged_kernel", lambda device, query_len, use=kernel: use
+        )
+        engine = tiny_engine(target, tiny_drafter_dir, k=3, kv_cache_dtype="fp8")
+        outputs.append([r.output_ids for r in run_to_completion(engine, prompts, params)])
+    assert engine.executor.kv.target.dtype == FP8
+    assert engine.executor.target.layers[1].self_attn.kv_scale == pytest.approx([0.06, 0.03])
+    assert outputs[0] == outputs[1]
+
+
 @pytest.mark.parametrize("drafter, tree", [(False, False), (True, False), (True, True)])
 def test_engine_with_the_kernel_gives_the_reference_paths_tokens(
     tiny_dir, tiny_drafter_dir, monkeypatch, drafter, tree
@@ -131,9 +179,9 @@ def test_engine_with_the_kernel_gives_the_reference_paths_tokens(
     drafter_dir = tiny_drafter_dir if drafter else "none"
     calls = []
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         calls.append(args[2].tree is not None)
-        return paged_attention(*args)
+        return paged_attention(*args, **kwargs)
 
     monkeypatch.setattr(workers.layers.paged_attention, "paged_attention", counted)
     outputs = []
@@ -161,13 +209,13 @@ def test_engine_picks_the_kernel_by_query_length(tiny_dir, tiny_drafter_dir, mon
     reference_ids = [r.output_ids for r in run_to_completion(engine, prompts, params, [0, 0, 3, 3])]
     kernel_rows, gather_rows = [], []
 
-    def counted(q, *args):
+    def counted(q, *args, **kwargs):
         kernel_rows.append(q.shape[1])
-        return paged_attention(q, *args)
+        return paged_attention(q, *args, **kwargs)
 
-    def counted_gather(cache, batch):
+    def counted_gather(cache, batch, *scale_and_dtype):
         gather_rows.append(batch.positions.shape[1])
-        return read_kv(cache, batch)
+        return read_kv(cache, batch, *scale_and_dtype)
 
     monkeypatch.setattr(workers.layers.paged_attention, "paged_attention", counted)
     monkeypatch.setattr(workers.layers.attention, "read_kv", counted_gather)

@@ -67,7 +67,8 @@ def size_pool(runner, cache_len: int, at_start: tuple[int, int] | None) -> PoolS
     """The runner's pool: by kv_cache_memory_gb or the CPU default, else (at_start: the GPU's
     memory before the weights) by measuring."""
     cfg, max_len = runner.cfg, runner.max_model_len
-    per_token = bytes_per_token(kv_shapes(runner.target, runner.drafter, runner.tp), runner.dtype)
+    shapes = kv_shapes(runner.target, runner.drafter, runner.tp)
+    per_token = bytes_per_token(shapes, runner.kv_dtype)
     is_cuda = runner.device.type == "cuda"
     num_slots = slots_that_fit(cfg, per_token * cache_len, is_cuda)
     measures = at_start is not None

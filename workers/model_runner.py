@@ -46,6 +46,7 @@ class ModelRunner:
         self.rank, self.tp = tp_rank_size(group)
         self.device = device or pick_device(cfg.device)
         self.dtype = pick_dtype(cfg.dtype, self.device)
+        self.kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else self.dtype
         self.check_host_sync = False  # tests turn this on
         if self.device.type == "cuda":
             # cuDNN attention builds an execution plan on the host for every new shape (81 ms
@@ -84,7 +85,7 @@ class ModelRunner:
 
     def _allocate(self, cache_len: int, size: PoolSize) -> None:
         cfg, tc, drafter, dev = self.cfg, self.target_cfg, self.drafter, self.device
-        kv = KVCache.for_models(self.target, drafter, self.tp, size, cache_len, self.dtype, dev)
+        kv = KVCache.for_models(self.target, drafter, self.tp, size, cache_len, self.kv_dtype, dev)
         self.kv, self.num_slots, self.num_blocks = kv, kv.num_slots, kv.num_blocks
         self.block_size = kv.block_size
         self.resources = Eagle3ResourceManager(

@@ -29,6 +29,7 @@ from speculative.train.data import TokenStore, batches, collate, draft_vocab, lo
 from speculative.train.target import target_draft_probs, target_features
 from speculative.train.ttt import loss_rows, ttt_forward, ttt_loss
 from workers.device import pick_device, pick_dtype
+from workers.layers.fp8 import cast_
 from workers.layers.parallel import VocabParallelEmbedding
 from workers.models import DecoderModel, ModelConfig, load_config, model_class
 from workers.models.loader import load_target_weights, resolve_model
@@ -48,7 +49,8 @@ def load_target(
     target_cfg = ModelConfig.from_hf(load_config(model_dir))
     target = model_class(target_cfg)(target_cfg, aux_layer_ids=aux_layer_ids)
     load_target_weights(target, model_dir)
-    return target.to(device, dtype).eval()
+    cast_(target, device, dtype)  # an FP8 checkpoint's weights and scales as they are
+    return target.eval()
 
 
 def load_source(path: str, target_cfg: ModelConfig, target_embeddings=None) -> Eagle3Drafter:

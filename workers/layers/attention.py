@@ -113,6 +113,7 @@ class CachedAttention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, group)
         self.rotary = rotary
         self.cache: torch.Tensor | None = None  # [2, slots + 1, max_len, kv_heads, head_dim]
+        self.kv_scale = [1.0, 1.0]  # an FP8 pool's K and V scales (a checkpoint's, or 1.0)
 
     def rotated_qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -132,13 +133,13 @@ class CachedAttention(nn.Module):
         B, T, _ = x.shape
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         qk, v = self.rotated_qkv(x, inputs.cos, inputs.sin)
-        write_kv(self.cache, batch, qk[:, :, H:], v)
+        write_kv(self.cache, batch, qk[:, :, H:], v, self.kv_scale)
         if attention_backend.use_paged_kernel(x.device, T):
             from workers.layers.paged_attention import paged_attention
 
-            out = paged_attention(qk[:, :, :H], self.cache, batch)  # [B, T, H, D]
-            return self.o_proj(out.reshape(B, T, H * D))
-        kv = read_kv(self.cache, batch)  # [2, B, KV, S, D]
+            out = paged_attention(qk[:, :, :H], self.cache, batch, kv_scale=self.kv_scale)
+            return self.o_proj(out.reshape(B, T, H * D))  # out: [B, T, H, D]
+        kv = read_kv(self.cache, batch, self.kv_scale, x.dtype)  # [2, B, KV, S, D]
         if inputs.gqa:
             out = F.scaled_dot_product_attention(
                 qk[:, :, :H].transpose(1, 2), kv[0], kv[1], attn_mask=inputs.bias, enable_gqa=True

@@ -7,12 +7,18 @@ the block holding positions i * block_size.. of the request in that slot; the sc
 manager (speculative/engine/) decides it and each plan carries the changes. A token at
 position p is written at row p of its request, so a rejected draft costs nothing: its row is
 simply overwritten by the next token at p. Without block updates in the plans (plans built by
-hand), slot s owns blocks s * max_blocks.. as a contiguous per-slot cache."""
+hand), slot s owns blocks s * max_blocks.. as a contiguous per-slot cache.
+
+An FP8 pool (kv_cache_dtype fp8) holds E4M3 rows, each layer's K and V divided by its own scale
+(the checkpoint's, else 1.0, as vLLM's default is): half the bytes of bfloat16, twice the
+tokens."""
 
 import logging
 from dataclasses import dataclass
 
 import torch
+
+from workers.layers.fp8 import FP8, to_fp8
 
 log = logging.getLogger(__name__)
 
@@ -67,19 +73,33 @@ def bytes_per_token(shapes, dtype: torch.dtype) -> int:
     return sum(s.bytes_per_token(dtype) for s in shapes if s is not None)
 
 
-def write_kv(pool: torch.Tensor, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
-    """k, v [B, T, kv_heads, D] into one layer's pool at the batch's write rows."""
+def write_kv(
+    pool: torch.Tensor, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor, scale=(1.0, 1.0)
+) -> None:
+    """k, v [B, T, kv_heads, D] into one layer's pool at the batch's write rows (an FP8 pool:
+    divided by the layer's scale (k, v) first)."""
     where = (batch.write_blocks, batch.write_offsets)
+    if pool.dtype == FP8:
+        k, v = to_fp8(k, scale[0]), to_fp8(v, scale[1])
     pool[0].index_put_(where, k)
     pool[1].index_put_(where, v)
 
 
-def read_kv(pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+def read_kv(
+    pool: torch.Tensor, batch: ForwardBatch, scale=(1.0, 1.0), dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """The rows a batch reads from one layer's pool, its blocks gathered in order:
-    [2, B, kv_heads, kv_len, D]."""
+    [2, B, kv_heads, kv_len, D] (an FP8 pool's in `dtype`, times the layer's scale (k, v))."""
     blocks = pool[:, batch.block_table]  # [2, B, kv_len // bs, bs, kv_heads, D]
     two, B, n, bs, kv_heads, D = blocks.shape
-    return blocks.view(two, B, n * bs, kv_heads, D).transpose(2, 3)
+    kv = blocks.view(two, B, n * bs, kv_heads, D).transpose(2, 3)
+    if pool.dtype != FP8:
+        return kv
+    kv = kv.to(dtype)
+    for i in (0, 1):
+        if scale[i] != 1.0:
+            kv[i].mul_(scale[i])
+    return kv
 
 
 class KVCache:
@@ -140,6 +160,10 @@ class KVCache:
 
     def bind(self, target_attention: list, drafter_attention=None) -> None:
         """Hand each attention module its layer's pool."""
+        if self.target.dtype == FP8 and all(a.kv_scale == [1.0, 1.0] for a in target_attention):
+            log.warning(  # as vLLM warns: E4M3 rows of K and V as they are, from -448 to 448
+                "FP8 KV cache with scales of 1.0 (the checkpoint has no k_scale / v_scale)"
+            )
         for attn, pool in zip(target_attention, self.target, strict=True):
             attn.cache = pool
         if drafter_attention is not None:

@@ -11,7 +11,10 @@ second kernel combines the splits' partial softmaxes.
 
 Masks, as the reference's: a chain token at position p sees keys 0..p (causal within the row,
 whatever the number of query tokens); a draft-tree node t sees the keys before the row's root
-(write_positions[:, 0]) and the nodes tree[t] marks."""
+(write_positions[:, 0]) and the nodes tree[t] marks.
+
+An FP8 pool's tiles are widened to the queries' dtype as they are loaded; K's scale folds into
+the softmax scale, V's into the output."""
 
 import torch
 import triton
@@ -34,7 +37,7 @@ def _paged_attention_kernel(
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_ob, stride_ot, stride_oh,
-    stride_table, num_table_blocks, num_kv_heads, T, num_rows, scale,
+    stride_table, num_table_blocks, num_kv_heads, T, num_rows, scale, v_scale,
     GROUP: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
     HAS_TREE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
@@ -70,7 +73,7 @@ def _paged_attention_kernel(
         kv_at = block[:, None] * stride_kb + (n % BS)[:, None] * stride_ks + d[None, :]
         kv_at += kv_head * stride_kh
         kv_ok = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + kv_at, mask=kv_ok, other=0.0)  # [N, D]
+        k = tl.load(k_ptr + kv_at, mask=kv_ok, other=0.0).to(q.dtype)  # [N, D]
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N]
         if HAS_TREE:
             node = n - root
@@ -84,11 +87,12 @@ def _paged_attention_kernel(
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.where(visible, tl.exp(scores - m_new[:, None]), 0.0)
         alpha = tl.exp(m_i - m_new)
-        v = tl.load(v_ptr + kv_at, mask=kv_ok, other=0.0)  # [N, D]
-        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        v = tl.load(v_ptr + kv_at, mask=kv_ok, other=0.0).to(q.dtype)  # [N, D]
+        pv = tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         acc = acc * alpha[:, None] + pv
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
+    acc = acc * v_scale
     if SPLIT:  # this split's unnormalised partial, for _combine_splits_kernel
         at = (bh * tl.num_programs(2) + split) * num_rows + r
         tl.store(m_ptr + at, m_i)
@@ -142,11 +146,16 @@ def default_splits(programs: int, kv_len: int, device: torch.device) -> int:
 
 
 def paged_attention(
-    q: torch.Tensor, pool: torch.Tensor, batch: ForwardBatch, num_splits: int | None = None
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    batch: ForwardBatch,
+    num_splits: int | None = None,
+    kv_scale=(1.0, 1.0),
 ) -> torch.Tensor:
     """q [B, T, H, D] (rotated), one layer's pool [2, blocks + 1, block_size, kv_heads, D]
     -> the attention output [B, T, H, D], under the batch's chain or tree mask. num_splits:
-    how many programs share a row's keys (default: default_splits)."""
+    how many programs share a row's keys (default: default_splits); kv_scale: an FP8 pool's
+    K and V scales (ignored for others)."""
     B, T, H, D = q.shape
     k_pool, v_pool = pool[0], pool[1]
     kv_heads, block_size = k_pool.shape[2], k_pool.shape[1]
@@ -174,12 +183,13 @@ def paged_attention(
         m_part = torch.empty(parts, dtype=torch.float32, device=q.device)
         l_part = torch.empty(parts, dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32: unused for bf16/fp16
+    k_scale, v_scale = kv_scale if pool.dtype == torch.float8_e4m3fn else (1.0, 1.0)
     _paged_attention_kernel[(B * kv_heads, m_tiles, num_splits)](
         q, k_pool, v_pool, partial, m_part, l_part, table, positions, root, tree,
         q.stride(0), q.stride(1), q.stride(2),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        table.stride(0), table.shape[1], kv_heads, T, num_rows, D**-0.5,
+        table.stride(0), table.shape[1], kv_heads, T, num_rows, D**-0.5 * k_scale, v_scale,
         GROUP=group, D=D, D_P2=d_p2, BS=block_size, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         MIN_SPLIT=MIN_SPLIT_KEYS, HAS_TREE=has_tree, SPLIT=split, PRECISION=precision,
     )  # fmt: skip

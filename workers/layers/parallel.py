@@ -1,13 +1,17 @@
 """Tensor-parallel building blocks (Megatron style). The TP group is passed in; None means TP=1.
 
 Each parallel layer owns only its shard and knows how to cut that shard out of a full
-checkpoint tensor (`load_full`), so loaders never need to know about sharding.
+checkpoint tensor (`load_full`), so loaders never need to know about sharding. The linear layers
+may hold FP8 weights with a scale per output row (`use_fp8`, workers/layers/fp8.py): the scales
+shard with their rows in column-parallel layers and are whole on every rank of a row-parallel one.
 """
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from workers.layers.fp8 import FP8, fp8_linear, quantize_rows
 
 
 def tp_rank_size(group) -> tuple[int, int]:
@@ -39,7 +43,46 @@ def all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-class ColumnParallelLinear(nn.Module):
+def row_scales(full: torch.Tensor, rows: int, what: str) -> torch.Tensor:
+    """A checkpoint's FP8 weight scale as one per row [rows]: per-channel ([rows] or [rows, 1],
+    as compressed-tensors writes it) or per-tensor (one number, repeated)."""
+    if full.numel() == 1:
+        return full.reshape(()).expand(rows)
+    if tuple(full.shape) not in ((rows,), (rows, 1)):
+        raise ValueError(
+            f"{what} has shape {list(full.shape)}: a weight scale is one number or one per "
+            f"output row ({rows})"
+        )
+    return full.reshape(rows)
+
+
+class QuantizableLinear(nn.Module):
+    """A linear layer's weight in the model's dtype, or in FP8 with a float32 scale per output
+    row once `use_fp8` was called."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_parameter("bias", None)
+        self.register_parameter("weight_scale", None)  # [out] float32 with FP8 weights
+
+    def use_fp8(self, quantize: bool) -> None:
+        """FP8 from now on: quantize the weight loaded (quantize=True: each row to its own
+        scale), or make room for a checkpoint's FP8 weight and its scale."""
+        if quantize:
+            weight, scale = quantize_rows(self.weight.data)
+        else:
+            weight = torch.empty_like(self.weight, dtype=FP8)
+            scale = torch.ones(self.weight.shape[0], device=weight.device)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is None:
+            return F.linear(x, self.weight, self.bias)
+        return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+
+
+class ColumnParallelLinear(QuantizableLinear):
     """y = x @ W.T with W split by output rows. `output_sizes` lists fused sub-matrices
     (q, k, v or gate, up), each split separately so every rank holds its slice of each."""
 
@@ -66,14 +109,16 @@ class ColumnParallelLinear(nn.Module):
         local = self.output_sizes[index]
         start = sum(self.output_sizes[:index])
         param = getattr(self, name)
+        if name == "weight_scale":
+            full = row_scales(full, local * self.tp, what)
         check_shape(full, (local * self.tp, *param.shape[1:]), what)
         param.data[start : start + local].copy_(full.narrow(0, self.rank * local, local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(QuantizableLinear):
     """y = x @ W.T with W split by input columns; partial sums all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, group=None):
@@ -90,14 +135,17 @@ class RowParallelLinear(nn.Module):
     def load_full(
         self, full: torch.Tensor, index: int = 0, name: str = "weight", what: str = "tensor"
     ) -> None:
+        if name == "weight_scale":  # one per output row: whole on every rank
+            self.weight_scale.data.copy_(row_scales(full, self.weight.shape[0], what))
+            return
         check_shape(full, (self.weight.shape[0], self.in_local * self.tp), what)
         self.weight.data.copy_(full.narrow(1, self.rank * self.in_local, self.in_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(F.linear(x, self.weight), self.group)
+        return all_reduce(self.matmul(x), self.group)
 
 
-class ReplicatedLinear(nn.Module):
+class ReplicatedLinear(QuantizableLinear):
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
@@ -105,11 +153,14 @@ class ReplicatedLinear(nn.Module):
     def load_full(
         self, full: torch.Tensor, index: int = 0, name: str = "weight", what: str = "tensor"
     ) -> None:
+        if name == "weight_scale":
+            self.weight_scale.data.copy_(row_scales(full, self.weight.shape[0], what))
+            return
         check_shape(full, self.weight.shape, what)
         self.weight.data.copy_(full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return self.matmul(x)
 
 
 class VocabParallelEmbedding(nn.Module):

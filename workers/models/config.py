@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from workers.layers.rotary import ROPE_TYPES
+from workers.models.quantization import check_quantization
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     rope_scaling: dict | None = field(default=None, compare=False)  # rotary.rope_frequencies'
     sliding_window: int | None = None  # Mistral's; served only while the context fits in it
+    quantization: str | None = None  # the FP8 checkpoint's quant_method (models/quantization.py)
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
@@ -165,6 +167,7 @@ def rope_parameters(cfg: dict, refuse) -> tuple[float, dict | None]:
 
 def _checked_fields(cfg: dict, refuse) -> dict:
     architecture = _check_family(cfg, refuse)
+    quantization = check_quantization(cfg, refuse)
     theta, rope = rope_parameters(cfg, refuse)
 
     def number(key: str, default=..., kind=int):  # default ...: required
@@ -204,4 +207,5 @@ def _checked_fields(cfg: dict, refuse) -> dict:
         sliding_window=number("sliding_window", None)
         if architecture == "MistralForCausalLM"
         else None,
+        quantization=quantization,
     )

@@ -11,8 +11,10 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from workers.layers.fp8 import FP8
 from workers.models.config import read_json
 from workers.models.gguf import convert_gguf_cached
+from workers.models.quantization import kv_scale_of
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,11 @@ def resolve_model(name_or_path: str) -> Path:
         return convert_gguf_cached(smollm2_gguf_path(), DEFAULT_MODEL, cache_root())
     path = Path(name_or_path)
     if path.suffix == ".gguf" and path.is_file():
+        log.info(
+            "%s: GGUF weights are dequantized at load (a Q4 or Q8 file takes the dtype's bytes); "
+            "--quantization fp8 stores the linear layers in FP8",
+            path,
+        )
         return convert_gguf_cached(path, path.stem, cache_root())
     if not path.is_dir():
         raise FileNotFoundError(
@@ -123,13 +130,14 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(model_dir: Path):
-    """Yield (name, tensor) over every safetensors file of a directory, sharded or not."""
+def iter_safetensors(model_dir: Path, dtypes_only: bool = False):
+    """Yield (name, tensor) over every safetensors file of a directory, sharded or not;
+    with dtypes_only, (name, its dtype's safetensors name) from the headers alone."""
     for file in safetensors_files(model_dir):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_slice(name).get_dtype() if dtypes_only else f.get_tensor(name)
         except SafetensorError as e:
             raise ValueError(f"{file} is truncated or not a safetensors file ({e})") from None
 
@@ -163,30 +171,77 @@ def _checkpoint_name(module_path: str, index: int, param: str) -> str:
     return f"{parent}.{leaf}.{param}" if parent else f"{leaf}.{param}"
 
 
+def _module_key(name: str) -> tuple[str, int, str]:
+    """A checkpoint tensor's name -> (the model's module path, fused sub-matrix, parameter)."""
+    module_path, _, param = name.removeprefix("model.").rpartition(".")
+    parent, _, leaf = module_path.rpartition(".")
+    leaf, index = FUSED.get(leaf, (leaf, 0))
+    return (f"{parent}.{leaf}" if parent else leaf), index, param
+
+
+def _set_kv_scale(modules: dict, name: str, tensor, source: str) -> None:
+    """A KV-cache scale into its attention module's `kv_scale` [k, v]."""
+    path, which = kv_scale_of(name)
+    attn = modules.get(path)
+    if not hasattr(attn, "kv_scale") or tensor.numel() != 1:
+        raise ValueError(f"{source}: unexpected tensor {name!r} (a KV cache scale is one number)")
+    for i in (0, 1):
+        if which[i]:
+            attn.kv_scale[i] = float(tensor)
+
+
+def _check_fp8_match(tensor, param, name: str, source: str) -> None:
+    """An FP8 tensor only into an FP8 weight, and no other into one (e.g. q FP8, k not)."""
+    if (tensor.dtype == FP8) != (param.dtype == FP8):
+        raise ValueError(
+            f"{source}: tensor {name!r} is {tensor.dtype}, but its layer holds {param.dtype} "
+            "weights (a fused layer's parts must all be FP8, or none)"
+        )
+
+
+def use_fp8_where_stored(model: nn.Module, model_dir: Path) -> list[str]:
+    """Give every linear layer whose checkpoint weight is FP8 E4M3 room for FP8 weights and
+    scales (read from the safetensors headers; no tensor is read). -> those layers."""
+    modules = dict(model.named_modules())
+    names = []
+    for name, dtype in iter_safetensors(Path(model_dir), dtypes_only=True):
+        module_path, _, param = _module_key(name)
+        module = modules.get(module_path)
+        if dtype != "F8_E4M3" or param != "weight" or module_path in names:
+            continue
+        if not hasattr(module, "use_fp8"):
+            raise ValueError(f"{model_dir}: tensor {name!r} is FP8, which only linear layers take")
+        module.use_fp8(quantize=False)
+        names.append(module_path)
+    return names
+
+
 def load_weights(model: nn.Module, tensors, source: str, skip: tuple[str, ...] = ()) -> None:
     """Copy (name, full tensor) pairs, named as the model's modules (Hugging Face's `model.` prefix
     allowed) with q/k/v and gate/up apart, into its parallel layers, each taking its own shard.
     Tensors of modules in `skip` are ignored; every other weight must be there, in its full shape.
     Errors name `source`."""
-    modules = {n: m for n, m in model.named_modules() if hasattr(m, "load_full")}
+    every = dict(model.named_modules())
+    modules = {n: m for n, m in every.items() if hasattr(m, "load_full")}
     missing = {
         (n, i, param)
         for n, m in modules.items()
         if n not in skip
         for i in range(len(getattr(m, "output_sizes", [0])))
-        for param in ("weight", "bias")
+        for param in ("weight", "bias", "weight_scale")
         if isinstance(getattr(m, param, None), nn.Parameter)
-    }  # q, k, v (gate, up) each, weights and biases
+    }  # q, k, v (gate, up) each, weights, biases and FP8 scales
     for name, tensor in tensors:
-        module_path, _, param = name.removeprefix("model.").rpartition(".")
-        parent, _, leaf = module_path.rpartition(".")
-        leaf, index = FUSED.get(leaf, (leaf, 0))
-        module_path = f"{parent}.{leaf}" if parent else leaf
+        if kv_scale_of(name) is not None:
+            _set_kv_scale(every, name, tensor, source)
+            continue
+        module_path, index, param = _module_key(name)
         if module_path in skip:
             continue
         module = modules.get(module_path)
         if module is None or not isinstance(getattr(module, param, None), nn.Parameter):
             raise ValueError(f"{source}: unexpected tensor {name!r}")
+        _check_fp8_match(tensor, getattr(module, param), name, source)
         module.load_full(tensor.float(), index, param, f"{source}: tensor {name!r}")
         missing.discard((module_path, index, param))
     if missing:
@@ -197,7 +252,11 @@ def load_weights(model: nn.Module, tensors, source: str, skip: tuple[str, ...] =
 
 
 def load_target_weights(model, model_dir: Path) -> None:
-    """Copy HF-named tensors into a target model, each layer taking its own shard."""
+    """Copy HF-named tensors into a target model, each layer taking its own shard; an FP8
+    checkpoint's layers FP8 as stored."""
+    if model.cfg.quantization is not None:
+        layers = use_fp8_where_stored(model, model_dir)
+        log.info("%s: %d linear layers in FP8 (%s)", model_dir, len(layers), model.cfg.quantization)
     tensors = (
         (name, t) for name, t in iter_safetensors(Path(model_dir)) if "rotary_emb" not in name
     )

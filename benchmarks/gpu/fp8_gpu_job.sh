@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# FP8 weights and the FP8 KV cache on one GPU, in one device call of under 8 minutes (carry
+# .device/site and .device/wheels: ../shared/hooks/device-bundle.sh and
+# benchmarks/device_wheels.sh build them; no GGUF needed). Parts in priority order, each under
+# its own timeout, skipped once the budget ($BUDGET seconds, default 450) would be overrun;
+# PARTS="..." picks some. JSON under $OUT, a table of each part on stdout.
+#   gemm      torch._scaled_mm against the fallback at Llama-3.1-8B's shapes; a CUDA graph replay
+#   kernel    the compiled paged kernel over an FP8 pool against the gather path; its time
+#   tests     tests/test_paged_attention.py's FP8 cases compiled on CUDA (TRITON_INTERPRET=0)
+#   floor     step_floor.py, 8B shape and a random EAGLE-3 head, K=5, batch 1, 8, 32 at 1k and 8k:
+#             the verify pass with FP8 weights, then bf16 (against FP8's weight-read floor)
+#   plain     step_floor.py without a drafter at 1k: plain decoding's tokens/s, FP8 and bf16
+#   capacity  the KV tokens gpu_memory_utilization 0.9 leaves: bf16, FP8 KV, FP8 weights + KV
+#   fp8kv     step_floor.py with FP8 weights and an FP8 KV cache (the KV read at 8k)
+# TINY=1 bash benchmarks/gpu/fp8_gpu_job.sh: the CPU dry run (tiny shapes, Triton's interpreter).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-out/fp8}
+mkdir -p "$OUT"
+TINY_FLAG=""
+if [[ -n "${TINY:-}" ]]; then
+    TINY_FLAG="--tiny"
+    export TRITON_INTERPRET=1
+else
+    bash .device/site/setup.sh >/dev/null
+    if [[ -f benchmarks/gpu/device_env.sh ]]; then source benchmarks/gpu/device_env.sh
+    else source benchmarks/device_env.sh; fi
+    export TRITON_INTERPRET=0
+fi
+export PYTHONUNBUFFERED=1
+END=$((SECONDS + ${BUDGET:-450}))
+PARTS=" ${PARTS:-gemm kernel tests floor plain capacity fp8kv} "
+part() {  # part NAME SECONDS_NEEDED command...
+    local name=$1 need=$2; shift 2
+    [[ "$PARTS" == *" $name "* ]] || return 0
+    if (( SECONDS + need > END )); then echo "skipped (time budget): $name"; return 0; fi
+    echo "== $name ($((END - SECONDS)) s left)"
+    timeout $((END - SECONDS)) "$@" 2>&1 | tee -a "$OUT/fp8_job.log" \
+        | grep -v -i "warn\|it/s\]\|^{'" | tail -24
+}
+CHECKS="python3 benchmarks/gpu/fp8_checks.py $TINY_FLAG -o $OUT"
+FLOOR="python3 benchmarks/step_floor.py $TINY_FLAG --context 1024 8192"
+[[ -n "$TINY_FLAG" ]] && FLOOR="python3 benchmarks/step_floor.py --tiny"
+part gemm 30 $CHECKS gemm
+part kernel 60 $CHECKS kernel
+if python3 -c "import pytest" 2>/dev/null; then
+    part tests 90 python3 -m pytest tests/test_paged_attention.py -k fp8_pool -q -p no:cacheprovider
+else
+    echo "skipped (no pytest: carry .device/wheels from benchmarks/device_wheels.sh): tests"
+fi
+part floor 100 $FLOOR --quantization fp8 -o "$OUT/step_floor_fp8.json"
+part floor 100 $FLOOR -o "$OUT/step_floor_bf16.json"
+part plain 50 $FLOOR --drafter none --context 1024 --quantization fp8 -o "$OUT/step_floor_plain_fp8.json"
+part plain 50 $FLOOR --drafter none --context 1024 -o "$OUT/step_floor_plain_bf16.json"
+part capacity 90 $CHECKS capacity
+part fp8kv 80 $FLOOR --quantization fp8 --kv-cache-dtype fp8 -o "$OUT/step_floor_fp8kv.json"
+$CHECKS summary 2>&1 | tail -20
+# At most 8 files come back from the device machine: more travel as one tar.
+if (( $(ls "$OUT" | wc -l) > 8 )); then (cd "$OUT" && tar cf fp8_results.tar --remove-files *); fi
