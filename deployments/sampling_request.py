@@ -19,8 +19,17 @@ from speculative.config import MAX_STOP_STRINGS, LogitBiasValue, SamplingParams,
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
+    include_obfuscation: bool | None = None  # OpenAI's: false asks for what we do
+
+    @field_validator("include_obfuscation")
+    @classmethod
+    def _no_obfuscation(cls, v):
+        if v:
+            raise ValueError("true is not supported (the chunks carry no obfuscation field)")
+        return v
 
 
 # ---- issue 31b ----
