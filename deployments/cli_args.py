@@ -98,7 +98,7 @@ def _serve_parser(sub) -> None:
         help="how tool calls are read from the output",
         shown="chosen from the chat template",
     )
-    add("--reasoning-parser", choices=["think"], help="<think> text becomes reasoning_content")
+    add("--reasoning-parser", choices=["think"], help="<think> text becomes `reasoning`")
     srv.add_argument(
         "--address",
         default=None,

@@ -42,7 +42,7 @@ class ServeConfig(BaseModel):
     chat_template: str | None = None  # a Jinja template file replacing the model's
     # how replies' tool calls are read; None: chosen from the chat template (deployments/tools.py)
     tool_call_parser: Literal["hermes", "llama3_json", "json"] | None = None
-    reasoning_parser: Literal["think"] | None = None  # "think": <think> text is reasoning_content
+    reasoning_parser: Literal["think"] | None = None  # "think": <think> text is `reasoning`
 
     @field_validator("chat_template")
     @classmethod

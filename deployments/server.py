@@ -12,7 +12,7 @@ from ray import serve
 
 from deployments.api_errors import APIError, parse_json_object, validation_error
 from deployments.bodies import ChatBodies, CompletionBodies
-from deployments.chat_output import output_maker
+from deployments.chat_output import chat_params, output_maker, starts_in_reasoning
 from deployments.chat_template import ChatTemplate
 from deployments.choices import Choice, ChoiceRun, seeded_apart
 from deployments.config import ServeConfig
@@ -29,7 +29,7 @@ from deployments.protocol import (
     refuse_unknown,
 )
 from deployments.replicas import labelled_lines, registry, summed
-from deployments.tools import constrained, forced_tool_call_schema, parser_for_template
+from deployments.tools import forced_tool_call_schema, parser_for_template
 
 log = logging.getLogger("eagleserve.server")
 
@@ -173,9 +173,9 @@ class OpenAIIngress:
         schema = forced_tool_call_schema(tools, req.tool_choice_value(), req.parallel_tool_calls)
         ids, prompt_text = self.template.encode(req, tools)
         choices = self._choices(req, [ids], req.max_completion_tokens or req.max_tokens, "messages")
-        if schema is not None:  # the reply is the call: valid JSON for its parameters' schema
-            for c in choices:
-                c.params = constrained(c.params, schema)
+        thinking = starts_in_reasoning(prompt_text, self.cfg.reasoning_parser)
+        for c in choices:  # a forced call's grammar; a grammar waits for the reasoning's end
+            c.params = chat_params(c.params, schema, thinking)
         reading = (self.tool_call_parser, self.cfg.reasoning_parser)
         bodies = ChatBodies(
             self.cfg.model_name, self.logprobs, output_maker(req, prompt_text, *reading)

@@ -70,6 +70,9 @@ class SamplingParams(BaseModel):
     num_draft_tokens: int | None = Field(None, ge=0, le=16)
     # structured outputs: every token is one the grammar allows there (speculative/grammar.py)
     structured: StructuredSpec | None = None
+    # with `structured`: the output is reasoning, free, until its text holds this marker; the
+    # grammar constrains the tokens after it (speculative/reasoning_grammar.py). None: all of them
+    reasoning_end: str | None = Field(None, min_length=1)
 
     @field_validator("temperature")
     @classmethod
