@@ -52,6 +52,16 @@ class ServeConfig(BaseModel):
         return path
 
     # ---- end issue 31b ----
+    # the defaults of a request's unset sampling fields (deployments/generation_config.py): "auto"
+    # the model's generation_config.json, "vllm" none, else a directory holding one
+    generation_config: str = "auto"
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config(cls, source):
+        if source not in ("auto", "vllm") and not Path(source).is_dir():
+            raise ValueError(f"generation_config {source!r} is not auto, vllm or a directory")
+        return source
 
     @property
     def model_name(self) -> str:

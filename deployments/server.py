@@ -16,6 +16,7 @@ from deployments.chat_output import chat_params, output_maker, starts_in_reasoni
 from deployments.chat_template import ChatTemplate
 from deployments.choices import Choice, ChoiceRun, seeded_apart
 from deployments.config import ServeConfig
+from deployments.generation_config import generation_defaults
 from deployments.http_app import api, authorize, json_body, read_body, request_schemas
 from deployments.llm_server import LLMServer, llm_server_options
 from deployments.logprobs import LogprobFormatter
@@ -70,6 +71,7 @@ class OpenAIIngress:
         self.max_model_len = ModelConfig.from_hf(load_config(model_dir)).max_len(
             cfg.engine.max_model_len
         )
+        self.sampling_defaults = generation_defaults(cfg.generation_config, model_dir)
         self.metrics = ingress_metrics()
         self.registry = registry(serve.get_replica_context().app_name)
 
@@ -129,7 +131,8 @@ class OpenAIIngress:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        max_tokens = limit - len(prompt_ids) if max_tokens is None else max_tokens
+        default = self.sampling_defaults.get("max_tokens", limit)  # the model's max_new_tokens
+        max_tokens = min(limit - len(prompt_ids), default) if max_tokens is None else max_tokens
         if req.min_tokens > max_tokens:
             raise APIError(
                 400,
@@ -137,7 +140,7 @@ class OpenAIIngress:
                 param="min_tokens",
                 code="invalid_value",
             )
-        return req.sampling_params(max(1, max_tokens))
+        return req.sampling_params(max(1, max_tokens), self.sampling_defaults)
 
     def _choices(self, req, prompts: list[list[int]], max_tokens, param: str) -> list[Choice]:
         """Each prompt's n choices (requests of their own; a seeded request's choice j has seed
