@@ -7,6 +7,7 @@ import re
 
 from pydantic import ValidationError
 
+from deployments.chat_messages import ROLES
 from speculative.config import MAX_STOP_STRINGS
 
 
@@ -71,12 +72,15 @@ _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|[A-Z]\w*)$|[\[\-]")
 
 def field_path(loc: tuple) -> str:
     """A validation error's location as the request field, in the client's words: ("messages", 1,
-    "content", "str") is messages[1].content (pydantic's union members, "str", are left out)."""
-    path = ""
+    "user", "content", "str") is messages[1].content (pydantic's union members, "str", and a
+    message's tag, its role, are left out)."""
+    path, after_index = "", False
     for part in loc:
-        if isinstance(part, int):
+        is_tag = after_index and part in ROLES
+        after_index = isinstance(part, int)
+        if after_index:
             path += f"[{part}]"
-        elif _TYPE_TAG.search(part):
+        elif is_tag or _TYPE_TAG.search(part):
             continue
         elif part.isidentifier():
             path += f".{part}" if path else part
@@ -93,14 +97,35 @@ _FORMS = {
 }
 
 
-def validation_error(e: ValidationError) -> APIError:
-    """A 400 naming the first field that failed, in the client's words."""
-    errors = e.errors()
-    param = field_path(errors[0]["loc"]) or None
+# errors our models raise on purpose: more to the point than a union member's type mismatch
+_SPECIFIC = ("extra_forbidden", "value_error")
+
+
+def _param_and_message(error: dict) -> tuple[str | None, str]:
+    param = field_path(error["loc"]) or None
+    if error["type"] in ("union_tag_invalid", "union_tag_not_found"):  # the tag's own field
+        field = error["ctx"]["discriminator"].strip("'")
+        param = f"{param}.{field}" if param else field
+        expected = error["ctx"].get("expected_tags")
+        return param, f"must be one of {expected}" if expected else "Field required"
     form = _FORMS.get(re.sub(r"\[.*", "", (param or "").rsplit(".", 1)[-1]))
-    union = any(isinstance(p, str) and _TYPE_TAG.search(p) for p in errors[0]["loc"])
-    message = f"must be {form}" if form and union else errors[0]["msg"]
-    message = message.removeprefix("Value error, ")
+    union = any(isinstance(p, str) and _TYPE_TAG.search(p) for p in error["loc"])
+    ours = error["type"] in _SPECIFIC
+    message = f"must be {form}" if form and union and not ours else error["msg"]
+    return param, message.removeprefix("Value error, ")
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """A 400 naming the field that failed, in the client's words (the first unknown key or check
+    of ours that failed, else the first error). A key that no field of its object takes is an
+    unsupported parameter, named with where it is (messages[1].foo)."""
+    errors = e.errors()
+    error = next((err for err in errors if err["type"] in _SPECIFIC), errors[0])
+    param, message = _param_and_message(error)
+    if error["type"] == "extra_forbidden":
+        return APIError(
+            400, f"unsupported parameter {param!r}", param=param, code="unsupported_parameter"
+        )
     return APIError(
         400, f"{param}: {message}" if param else message, param=param, code="invalid_value"
     )

@@ -1,12 +1,12 @@
-"""A chat choice's text as OpenAI message deltas: reasoning in <think> tags (vLLM's
-`reasoning_content`), tool calls (deployments/tools.py) and content. Whole replies are their
-stream's deltas merged, so the two cannot differ."""
+"""A chat choice's text as OpenAI message deltas: reasoning in <think> tags (vLLM's `reasoning`,
+and `reasoning_content`, its older name), tool calls (deployments/tools.py) and content. Whole
+replies are their stream's deltas merged, so the two cannot differ."""
 
 import json
 import re
 from functools import partial
 
-from deployments.tools import CALL_STARTS, PARSE, call_id, parse_forced
+from deployments.tools import CALL_STARTS, PARSE, call_id, constrained, parse_forced
 
 
 def _partial_tag(text: str, tag: str) -> int:
@@ -198,8 +198,8 @@ class ChatOutput:
         pieces = self.reasoning.feed(text, final) if self.reasoning else [("content", text)]
         deltas = []
         for kind, piece in pieces:
-            if kind == "reasoning":
-                deltas.append({"reasoning_content": piece})
+            if kind == "reasoning":  # vLLM's field, and its older name (the same text)
+                deltas.append({"reasoning": piece, "reasoning_content": piece})
             else:
                 deltas += self._content(piece)
         if final and self.tools is not None:
@@ -207,11 +207,29 @@ class ChatOutput:
         return deltas
 
 
+REASONING_END = "</think>"
+
+
+def chat_params(params, schema: dict | None, thinking: bool | None):
+    """A choice's sampling parameters: constrained to a forced call's schema, if any; a reply that
+    starts in reasoning has its grammar wait for the reasoning's end (vLLM's rule)."""
+    if schema is not None:
+        params = constrained(params, schema)
+    if thinking and params.structured is not None:
+        params = params.model_copy(update={"reasoning_end": REASONING_END})
+    return params
+
+
+def starts_in_reasoning(prompt_text: str, reasoning_parser: str | None) -> bool | None:
+    """Whether the reply starts in reasoning (a template may open the <think> itself); None
+    without a reasoning parser."""
+    return prompt_text.rstrip().endswith("<think>") if reasoning_parser == "think" else None
+
+
 def output_maker(req, prompt_text: str, parser: str, reasoning_parser: str | None):
     """A request's ChatOutput maker (one per choice): what its reply is parsed for."""
     forced = req.tool_choice_value() if req.is_forced_tool_call() else None
-    # a template may open the <think> itself
-    thinking = prompt_text.rstrip().endswith("<think>") if reasoning_parser == "think" else None
+    thinking = starts_in_reasoning(prompt_text, reasoning_parser)
     tool_parser = parser if req.uses_tools() and forced is None else None
     return partial(ChatOutput, tool_parser, req.parallel_tool_calls, thinking, forced)
 
@@ -221,7 +239,7 @@ def merged_message(deltas: list[dict]) -> dict:
     content, reasoning, calls = [], [], {}
     for d in deltas:
         content.append(d.get("content", ""))
-        reasoning.append(d.get("reasoning_content", ""))
+        reasoning.append(d.get("reasoning", ""))
         for c in d.get("tool_calls", []):
             call = calls.setdefault(c["index"], {"id": None, "type": "function", "function": {}})
             call["id"] = c.get("id", call["id"])
@@ -231,7 +249,7 @@ def merged_message(deltas: list[dict]) -> dict:
             call["function"]["arguments"] = arguments
     message = {"role": "assistant", "content": "".join(content) or None, "refusal": None}
     if any(reasoning):
-        message["reasoning_content"] = "".join(reasoning)
+        message["reasoning"] = message["reasoning_content"] = "".join(reasoning)
     if calls:
         message["tool_calls"] = [calls[i] for i in sorted(calls)]
     elif message["content"] is None:

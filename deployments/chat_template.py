@@ -7,7 +7,7 @@ from pathlib import Path
 from jinja2 import TemplateError
 
 from deployments.api_errors import APIError
-from deployments.chat_messages import ChatMessage
+from deployments.chat_messages import AssistantMessage, ChatMessage
 from deployments.tools import tool_prompt
 
 # apply_chat_template's own arguments: a template kwarg may not replace them
@@ -51,9 +51,9 @@ def _template_call(call) -> dict:
 def _as_text(message: ChatMessage) -> dict:
     """A message for a template that knows nothing of tools: the calls as the JSON the plain-JSON
     parser reads, a tool's answer as a message of role "tool"."""
-    text = message.text()
-    if message.tool_calls:
-        calls = [_template_call(c)["function"] for c in message.tool_calls]
+    text, tool_calls = message.text(), getattr(message, "tool_calls", None)
+    if tool_calls:
+        calls = [_template_call(c)["function"] for c in tool_calls]
         text += json.dumps(calls[0] if len(calls) == 1 else calls)
     return {"role": message.role, "content": text}
 
@@ -64,14 +64,16 @@ def to_template_messages(messages: list[ChatMessage], knows_tools: bool) -> list
         role = "system" if m.role == "developer" else m.role
         if knows_tools:
             d = {"role": role, "content": None if m.content is None else m.text()}
-            if m.tool_calls:
-                d["tool_calls"] = [_template_call(c) for c in m.tool_calls]
-            if m.tool_call_id is not None:
-                d["tool_call_id"] = m.tool_call_id
+            if tool_calls := getattr(m, "tool_calls", None):
+                d["tool_calls"] = [_template_call(c) for c in tool_calls]
+            if (call_id := getattr(m, "tool_call_id", None)) is not None:
+                d["tool_call_id"] = call_id
         else:
             d = _as_text(m) | {"role": role}
         if m.name is not None:
             d["name"] = m.name
+        if isinstance(m, AssistantMessage) and (reasoning := m.reasoning_text()) is not None:
+            d["reasoning"] = d["reasoning_content"] = reasoning  # both names, as vLLM passes them
         out.append(d)
     return out
 

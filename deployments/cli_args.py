@@ -98,7 +98,12 @@ def _serve_parser(sub) -> None:
         help="how tool calls are read from the output",
         shown="chosen from the chat template",
     )
-    add("--reasoning-parser", choices=["think"], help="<think> text becomes reasoning_content")
+    add("--reasoning-parser", choices=["think"], help="<think> text becomes `reasoning`")
+    add(
+        "--generation-config",
+        help="the sampling defaults of unset request fields: auto (the model's "
+        "generation_config.json), vllm (none) or a directory holding one",
+    )
     srv.add_argument(
         "--address",
         default=None,

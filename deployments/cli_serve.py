@@ -40,6 +40,7 @@ def _serve_config(args):
         chat_template=args.chat_template,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        generation_config=args.generation_config,
         **overrides,
     )
     return cfg

@@ -42,7 +42,7 @@ class ServeConfig(BaseModel):
     chat_template: str | None = None  # a Jinja template file replacing the model's
     # how replies' tool calls are read; None: chosen from the chat template (deployments/tools.py)
     tool_call_parser: Literal["hermes", "llama3_json", "json"] | None = None
-    reasoning_parser: Literal["think"] | None = None  # "think": <think> text is reasoning_content
+    reasoning_parser: Literal["think"] | None = None  # "think": <think> text is `reasoning`
 
     @field_validator("chat_template")
     @classmethod
@@ -52,6 +52,16 @@ class ServeConfig(BaseModel):
         return path
 
     # ---- end issue 31b ----
+    # the defaults of a request's unset sampling fields (deployments/generation_config.py): "auto"
+    # the model's generation_config.json, "vllm" none, else a directory holding one
+    generation_config: str = "auto"
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config(cls, source):
+        if source not in ("auto", "vllm") and not Path(source).is_dir():
+            raise ValueError(f"generation_config {source!r} is not auto, vllm or a directory")
+        return source
 
     @property
     def model_name(self) -> str:

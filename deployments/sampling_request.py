@@ -1,6 +1,7 @@
 """The sampling options both generation endpoints share (SamplingRequest), each bounded as the
 engine's SamplingParams bounds it, and the SamplingParams a request asks for."""
 
+from functools import partial
 from typing import Annotated
 
 from pydantic import (
@@ -19,8 +20,17 @@ from speculative.config import MAX_STOP_STRINGS, LogitBiasValue, SamplingParams,
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
+    include_obfuscation: bool | None = None  # OpenAI's: false asks for what we do
+
+    @field_validator("include_obfuscation")
+    @classmethod
+    def _no_obfuscation(cls, v):
+        if v:
+            raise ValueError("true is not supported (the chunks carry no obfuscation field)")
+        return v
 
 
 # ---- issue 31b ----
@@ -173,13 +183,23 @@ class SamplingRequest(BaseModel):
             )
         return spec
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        greedy = self.top_p == 0  # only the most likely token is left
+    def _or_default(self, name: str, defaults: dict):
+        """The field's value; left unset, the model's default (deployments/generation_config.py)
+        where it has one."""
+        if name in self.model_fields_set or name not in defaults:
+            return getattr(self, name)
+        return defaults[name]
+
+    def sampling_params(self, max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+        """The engine's parameters; `defaults`: the model's own, for the fields left unset."""
+        value = partial(self._or_default, defaults=defaults or {})
+        top_p = value("top_p")
+        greedy = top_p == 0  # only the most likely token is left
         return SamplingParams(
-            temperature=0.0 if greedy else self.temperature,
-            top_p=1.0 if greedy else self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
+            temperature=0.0 if greedy else value("temperature"),
+            top_p=1.0 if greedy else top_p,
+            top_k=value("top_k"),
+            min_p=value("min_p"),
             seed=None if self.seed is None else self.seed % 2**63,
             max_tokens=max_tokens,
             stop=self.stop or [],
@@ -189,7 +209,7 @@ class SamplingRequest(BaseModel):
             prompt_logprobs=self.num_prompt_logprobs(),
             frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=value("repetition_penalty"),
             min_tokens=self.min_tokens,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             include_stop_str_in_output=self.include_stop_str_in_output,

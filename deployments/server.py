@@ -12,10 +12,11 @@ from ray import serve
 
 from deployments.api_errors import APIError, parse_json_object, validation_error
 from deployments.bodies import ChatBodies, CompletionBodies
-from deployments.chat_output import output_maker
+from deployments.chat_output import chat_params, output_maker, starts_in_reasoning
 from deployments.chat_template import ChatTemplate
 from deployments.choices import Choice, ChoiceRun, seeded_apart
 from deployments.config import ServeConfig
+from deployments.generation_config import generation_defaults
 from deployments.http_app import api, authorize, json_body, read_body, request_schemas
 from deployments.llm_server import LLMServer, llm_server_options
 from deployments.logprobs import LogprobFormatter
@@ -29,7 +30,7 @@ from deployments.protocol import (
     refuse_unknown,
 )
 from deployments.replicas import registry
-from deployments.tools import constrained, forced_tool_call_schema, parser_for_template
+from deployments.tools import forced_tool_call_schema, parser_for_template
 
 log = logging.getLogger("eagleserve.server")
 
@@ -70,6 +71,7 @@ class OpenAIIngress:
         self.max_model_len = ModelConfig.from_hf(load_config(model_dir)).max_len(
             cfg.engine.max_model_len
         )
+        self.sampling_defaults = generation_defaults(cfg.generation_config, model_dir)
         self.metrics = ingress_metrics()
         self.registry = registry(serve.get_replica_context().app_name)
 
@@ -130,7 +132,8 @@ class OpenAIIngress:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        max_tokens = limit - len(prompt_ids) if max_tokens is None else max_tokens
+        default = self.sampling_defaults.get("max_tokens", limit)  # the model's max_new_tokens
+        max_tokens = min(limit - len(prompt_ids), default) if max_tokens is None else max_tokens
         if req.min_tokens > max_tokens:
             raise APIError(
                 400,
@@ -138,7 +141,7 @@ class OpenAIIngress:
                 param="min_tokens",
                 code="invalid_value",
             )
-        return req.sampling_params(max(1, max_tokens))
+        return req.sampling_params(max(1, max_tokens), self.sampling_defaults)
 
     def _choices(self, req, prompts: list[list[int]], max_tokens, param: str) -> list[Choice]:
         """Each prompt's n choices (requests of their own; a seeded request's choice j has seed
@@ -174,9 +177,9 @@ class OpenAIIngress:
         schema = forced_tool_call_schema(tools, req.tool_choice_value(), req.parallel_tool_calls)
         ids, prompt_text = self.template.encode(req, tools)
         choices = self._choices(req, [ids], req.max_completion_tokens or req.max_tokens, "messages")
-        if schema is not None:  # the reply is the call: valid JSON for its parameters' schema
-            for c in choices:
-                c.params = constrained(c.params, schema)
+        thinking = starts_in_reasoning(prompt_text, self.cfg.reasoning_parser)
+        for c in choices:  # a forced call's grammar; a grammar waits for the reasoning's end
+            c.params = chat_params(c.params, schema, thinking)
         reading = (self.tool_call_parser, self.cfg.reasoning_parser)
         bodies = ChatBodies(
             self.cfg.model_name, self.logprobs, output_maker(req, prompt_text, *reading)

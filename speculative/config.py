@@ -73,6 +73,9 @@ class SamplingParams(BaseModel):
     # vLLM's: under the priority scheduling policy, lower values are admitted first and
     # preempted last; the scheduler reads it, the workers never do. 0 under fcfs
     priority: int = Field(0, ge=-(2**63), lt=2**63)
+    # with `structured`: the output is reasoning, free, until its text holds this marker; the
+    # grammar constrains the tokens after it (speculative/reasoning_grammar.py). None: all of them
+    reasoning_end: str | None = Field(None, min_length=1)
 
     @field_validator("temperature")
     @classmethod

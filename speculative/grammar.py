@@ -155,13 +155,24 @@ class RequestGrammar:
         """rows [T, W] int32 (T = 1 + K(M+1): the verify pass's nodes, speculative/draft_tree.py)
         <- the mask of every node: the pending token's from the grammar's state, each chain
         draft's and sibling's after the drafts before it and itself. drafts [K], siblings [M][K]."""
-        m, K = self.matcher, len(drafts)
         rows.fill_(-1)
+        self.fill_from(rows, drafts, siblings, 0)
+
+    def fill_row(self, rows: torch.Tensor, node: int) -> None:
+        """One node's row <- the mask of the grammar's state (no drafts followed)."""
+        if not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(rows, node)
+
+    def fill_from(self, rows, drafts: list[int], siblings: list[list[int]], start: int) -> None:
+        """`fill`'s rows from chain position `start` on, the grammar's state being that position's
+        (the drafts before it are not the grammar's: speculative/reasoning_grammar.py); the rows
+        before it are left as they are."""
+        m, K = self.matcher, len(drafts)
         if m.is_terminated():
             return
-        m.fill_next_token_bitmask(rows, 0)
+        m.fill_next_token_bitmask(rows, start)
         depth = 0  # chain drafts the grammar accepted
-        for d in range(K):
+        for d in range(start, K):
             for j, sibling in enumerate(siblings):
                 if m.accept_token(sibling[d]):
                     if not m.is_terminated():

@@ -305,12 +305,15 @@ def test_serve_flags_override_the_config_file(tmp_path):
     cfg = _serve_config(parse(["serve", "--config", str(config)]))
     assert (cfg.max_waiting_requests, cfg.port, cfg.engine.max_batch_size) == (5, 9001, 3)
     assert cfg.api_key is None and cfg.model_name == "smollm2-135m"
+    assert cfg.generation_config == "auto"
     args = ["--api-key", "k1", "--served-model-name", "mine", "--max-waiting-requests", "7"]
+    args += ["--generation-config", "vllm"]
     engine = ["--max-batch-size", "4", "--kv-cache-memory-gb", "0.5", "--tool-call-parser", "json"]
     cfg = _serve_config(parse(["serve", "--config", str(config), *args, *engine]))
     assert (cfg.api_key, cfg.model_name, cfg.max_waiting_requests) == ("k1", "mine", 7)
     assert (cfg.port, cfg.engine.max_batch_size, cfg.engine.kv_cache_memory_gb) == (9001, 4, 0.5)
     assert cfg.tool_call_parser == "json" and cfg.chat_template is None
+    assert cfg.generation_config == "vllm"
 
 
 def test_prefix_caching_flag_reaches_every_command(tmp_path):

@@ -339,6 +339,125 @@ def test_errors_name_the_request_field(base_url, path, body, param):
     assert ".str" not in error["message"] and "list[" not in error["message"]
 
 
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": [CHAT[0], CHAT[0] | {"foo": 1}]}, "messages[1].foo"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "b": 1}]}]},
+            "messages[0].content[0].b",
+        ),
+        ({"messages": [CHAT[0] | {"tool_call_id": "c1"}]}, "messages[0].tool_call_id"),
+        (
+            {"messages": [{"role": "system", "content": "x", "tool_calls": [CALL]}, *CHAT]},
+            "messages[0].tool_calls",
+        ),
+        (
+            {"messages": [*CHAT, {"role": "assistant", "tool_calls": [CALL | {"index": 0}]}]},
+            "messages[1].tool_calls[0].index",
+        ),
+        (
+            {"messages": [*CHAT, {"role": "tool", "content": "x", "tool_call_id": "c1", "x": 0}]},
+            "messages[1].x",
+        ),
+        ({"tools": [TOOL | {"cache": True}]}, "tools[0].cache"),
+        (
+            {"tools": [{"type": "function", "function": TOOL["function"] | {"examples": []}}]},
+            "tools[0].function.examples",
+        ),
+        (
+            {
+                "tools": [TOOL],
+                "tool_choice": {
+                    "type": "function",
+                    "function": {"name": "get_weather", "strict": True},
+                },
+            },
+            "tool_choice.function.strict",
+        ),
+        (
+            {"stream": True, "stream_options": {"include_usage": True, "usage": True}},
+            "stream_options.usage",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "format": 1}}},
+            "response_format.json_schema.format",
+        ),
+        ({"structured_outputs": {"regex": "a+", "flags": "i"}}, "structured_outputs.flags"),
+    ],
+)
+def test_unknown_nested_keys_get_400_naming_them(base_url, body, param):
+    """A key that an object inside the request does not define is refused as the top level refuses
+    one: an unsupported parameter, named with where it is."""
+    r = post(base_url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2} | body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param, r.text
+    assert error["message"] == f"unsupported parameter {param!r}"
+    assert error["code"] == "unsupported_parameter"
+    check(r.json(), "ErrorResponse")
+
+
+def test_the_official_clients_requests_pass_the_nested_checks(base_url):
+    """What the openai client sends: tools (also from a pydantic model, strict), tool_choice,
+    stream_options, response_format from a pydantic model, and an earlier reply's message object
+    sent back with the tool's answer."""
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        city: str
+
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
+    tools = [TOOL, openai.pydantic_function_tool(Answer)]
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            max_tokens=4,
+            tools=tools,
+            tool_choice="auto",
+            parallel_tool_calls=False,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].usage.completion_tokens > 0
+    try:  # the random model's JSON may not end within max_tokens: the client raises then
+        parsed = client.chat.completions.parse(
+            model=MODEL, messages=CHAT, max_tokens=4, response_format=Answer
+        )
+    except openai.LengthFinishReasonError as e:
+        parsed = e.completion
+    # a call without arguments: the grammar lets the random model end it in a few tokens
+    now = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+    now["function"]["parameters"] |= {"properties": {}, "additionalProperties": False}
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=40,
+        tools=[*tools, now],
+        tool_choice={"type": "function", "function": {"name": "now"}},
+        parallel_tool_calls=False,
+    )
+    message = reply.choices[0].message  # sent back as the client serialises it
+    [call] = message.tool_calls
+    history = [*CHAT, message, {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    history += [parsed.choices[0].message]
+    again = client.chat.completions.create(
+        model=MODEL, messages=history, max_tokens=4, tools=[*tools, now]
+    )
+    assert again.usage.prompt_tokens > reply.usage.prompt_tokens
+
+
 # ---- every bounded field: at its bound it goes through, one past it is a 400 ----
 
 

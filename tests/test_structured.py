@@ -1,8 +1,8 @@
 """Structured outputs in the engine (speculative/grammar.py): the masks follow the drafts exactly,
 greedy constrained output with a drafter is token for token the output without one, sampled
 constrained output has the masked, renormalised distribution (chi-square against the exact joint
-of the first three tokens), and a constrained request never has two steps in flight while the
-unconstrained ones beside it keep theirs."""
+of the first three tokens), a constrained request never has two steps in flight while the
+unconstrained ones beside it keep theirs, and a grammar that waits for the reasoning's end."""
 
 import json
 import re
@@ -16,8 +16,10 @@ from conftest import run_to_completion, tiny_engine, tiny_prompts
 from test_lossless import PROMPT, V16, _engine, chi2_pvalue, oracle_drafts, sample_first_three
 
 from speculative.config import SamplingParams, StructuredSpec
+from speculative.draft_tree import sibling_node
 from speculative.engine.llm_engine import encode_prompt
 from speculative.grammar import GrammarError, Grammars, tool_call_schema
+from speculative.reasoning_grammar import MarkerTokens, ReasoningGrammar
 
 v16_dirs = test_lossless.v16_dirs  # the chi-square machinery's tiny model and drafter
 PERSON = {
@@ -76,6 +78,99 @@ def _row0(request) -> torch.Tensor:
     rows = torch.zeros(1, 1, dtype=torch.int32)
     request.fill(rows, [], [])
     return rows[0]
+
+
+# ---- a grammar after the reasoning (speculative/reasoning_grammar.py) ----
+
+
+class Spelled:
+    """A tokenizer's decoding over a fixed vocabulary (the raw grammars' letters, and more)."""
+
+    def __init__(self, vocab: list[str]):
+        self.vocab = vocab
+
+    def __len__(self):
+        return len(self.vocab)
+
+    def decode(self, ids):
+        return "".join(self.vocab[t] for t in ids)
+
+    def batch_decode(self, rows):
+        return [self.decode(ids) for ids in rows]
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.vocab[t] for t in ids]
+
+
+def test_reasoning_masks_free_until_the_marker_then_the_grammars():
+    """Marker "bc": the rows up to the draft that completes it are the reasoning's (free, but for
+    "cd", which would end it and begin the content at once), the rows after it the grammar's
+    from its start, chain and sibling alike; the grammar sees only the tokens after the marker."""
+    vocab = [chr(ord("a") + i) for i in range(14)] + ["cd", "</s>"]
+    info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, stop_token_ids=[15])
+    grammars, spelled = Grammars(info), Spelled(vocab)
+    spec = StructuredSpec(kind="regex", spec="[d-f]+")
+    gate = ReasoningGrammar(grammars.matcher(spec), spelled, MarkerTokens(spelled, "bc", 16))
+    assert gate.accept([0])  # "a": reasoning
+    K, M = 3, 1
+    rows = torch.zeros(1 + K * (M + 1), 1, dtype=torch.int32)
+    gate.fill(rows, [1, 2, 3], [[4, 14, 5]])  # chain "b", "c", "d"; siblings "e", "cd", "f"
+    free = torch.ones(16, dtype=torch.bool)
+    assert torch.equal(unpack(rows[0], 16), free)
+    assert torch.equal(unpack(rows[1], 16), free & (torch.arange(16) != 14))  # after "ab"
+    assert torch.equal(unpack(rows[2], 16), allowed_after(grammars, spec, []))  # after "abc"
+    assert torch.equal(unpack(rows[3], 16), allowed_after(grammars, spec, [3]))
+    assert torch.equal(unpack(rows[sibling_node(K, 0, 0)], 16), free)  # after "ae"
+    assert torch.equal(unpack(rows[sibling_node(K, 0, 2)], 16), allowed_after(grammars, spec, [5]))
+    assert gate.accept([1, 2, 3])  # "b", "c" end the reasoning; "d" is the grammar's
+    gate.fill(rows, [], [])
+    assert torch.equal(unpack(rows[0], 16), allowed_after(grammars, spec, [3]))
+
+
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"type": "integer"}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+
+def thinking_prompt(tokenizer) -> list[int]:
+    """A reply that starts in reasoning: the prompt opens the <think> (SmolLM2 never closes it on
+    its own: THINK_BIAS makes it, a few tokens in)."""
+    question = "What is 2+2? First think step by step inside <think> </think> tags, then answer."
+    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": "<think>"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_greedy_smollm2_grammar_after_reasoning_with_drafter_equals_without(
+    smollm2_engine, smollm2_speculative
+):
+    """The reasoning is the free greedy output's, up to the token that completes </think> (the
+    free one, >", would begin the content); the JSON after it follows the schema; with the
+    drafter, token for token the output without one."""
+    tokenizer = smollm2_engine.tokenizer
+    prompt = thinking_prompt(tokenizer)
+    bias = {tokenizer.encode("</", add_special_tokens=False)[0]: 4}
+    free = SamplingParams(max_tokens=40, logit_bias=bias)
+    spec = StructuredSpec(kind="json", spec=json.dumps(ANSWER))
+    gated = free.model_copy(update={"structured": spec, "reasoning_end": "</think>"})
+    [plain] = smollm2_engine.generate([prompt], gated)
+    accepted = smollm2_speculative.scheduler.stats.num_draft_accepted
+    [speculative] = smollm2_speculative.generate([prompt], gated)
+    assert speculative.output_ids == plain.output_ids
+    assert smollm2_speculative.scheduler.stats.num_draft_accepted > accepted
+    [unconstrained] = smollm2_engine.generate([prompt], free)
+    pieces = [tokenizer.decode([t]) for t in plain.output_ids]
+    end = pieces.index("think") + 1  # the token that completes the marker
+    assert plain.output_ids[:end] == unconstrained.output_ids[:end]
+    assert pieces[end] == ">" and tokenizer.decode([unconstrained.output_ids[end]]) == '>"'
+    reasoning, _, content = tokenizer.decode(plain.output_ids, skip_special_tokens=True).partition(
+        "</think>"
+    )
+    assert "Step 1" in reasoning
+    jsonschema.validate(json.loads(content), ANSWER)
 
 
 def test_bad_constraints_name_the_problem_and_compiles_are_cached(smollm2_engine):
@@ -157,11 +252,18 @@ def smollm2_questions(smollm2_engine):
     return [encode_prompt(smollm2_engine.tokenizer, q) for q in questions]
 
 
-def test_greedy_smollm2_constrained_with_drafter_equals_without(smollm2_engine, smollm2_questions):
+@pytest.fixture(scope="module")
+def smollm2_speculative():
     from conftest import _smollm2
 
+    return _smollm2("default")
+
+
+def test_greedy_smollm2_constrained_with_drafter_equals_without(
+    smollm2_engine, smollm2_questions, smollm2_speculative
+):
     plain = smollm2_constrained(smollm2_engine, smollm2_questions)
-    speculative = _smollm2("default")
+    speculative = smollm2_speculative
     assert smollm2_constrained(speculative, smollm2_questions) == plain
     assert speculative.scheduler.stats.num_draft_accepted > 0
     decode = smollm2_engine.tokenizer.decode

@@ -108,13 +108,14 @@ def test_module_parsers_directly():
 )
 def test_think_reasoning(text, in_reasoning, reasoning, content):
     message = _message(text, in_reasoning=in_reasoning)
-    assert message.get("reasoning_content") == reasoning and message["content"] == content
+    assert message.get("reasoning") == reasoning and message["content"] == content
+    assert message.get("reasoning_content") == reasoning  # the older name, the same text
 
 
 def test_reasoning_then_a_tool_call():
     text = f"<think>I need the weather</think><tool_call>{json.dumps(CALL)}</tool_call>"
     message = _message(text, "hermes", in_reasoning=False)
-    assert message["reasoning_content"] == "I need the weather" and message["content"] is None
+    assert message["reasoning"] == "I need the weather" and message["content"] is None
     assert _calls(message) == [("get_weather", CALL["arguments"])]
 
 
@@ -171,6 +172,20 @@ def test_a_template_file_gets_tools_history_names_and_kwargs(tokenizer, tmp_path
         "<|im_start|>assistant<tool_call>get_weather Paris</tool_call><|im_end|>\n"
         "<|im_start|>tool18C<|im_end|>\n<|im_start|>assistant\n<think></think>"
     )
+
+
+def test_an_earlier_replys_reasoning_reaches_the_template(tokenizer, tmp_path):
+    """An assistant message's `reasoning` (vLLM's) or `reasoning_content` (its older name) goes to
+    the template under both names, as vLLM passes it (Qwen 3's template reads the older one)."""
+    path = tmp_path / "reasoning.jinja"
+    path.write_text(
+        "{% for m in messages %}[{{ m.reasoning }}|{{ m.reasoning_content }}]{% endfor %}"
+    )
+    template = ChatTemplate(tokenizer, str(path))
+    for key in ("reasoning", "reasoning_content"):
+        reply = {"role": "assistant", "content": "4", key: "2+2"}
+        req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "q"}, reply])
+        assert template.render(req) == "[|][2+2|2+2]"
 
 
 def test_a_missing_template_file_is_a_config_error(tmp_path):

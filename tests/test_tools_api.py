@@ -5,6 +5,7 @@ against the real server (SmolLM2 with its default drafter, K=5)."""
 import json
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from prom_text import scrape, total
@@ -120,8 +121,6 @@ def test_a_tool_call_history_is_rendered_and_answered(client, base_url):
 def test_forced_tool_choice_gives_a_call_that_validates(client, tool_choice, stream):
     """tool_choice "required" or a named function: the reply is a grammar-constrained call whose
     arguments satisfy the function's parameters, whole or streamed, finish_reason tool_calls."""
-    import jsonschema
-
     kw = {"tools": [WEATHER], "tool_choice": tool_choice, "max_tokens": 64}
     if not stream:
         choice = chat(client, CALL_ME, **kw).choices[0]
@@ -209,16 +208,73 @@ def test_template_controls_render_as_asked(client, base_url):
 
 
 def test_think_reasoning_parser(client):
-    """A reply that starts thinking (the prompt opens <think>) is reasoning_content up to
-    </think>; SmolLM2 never closes it, so all of it is."""
+    """A reply that starts thinking (the prompt opens <think>) is `reasoning` (vLLM's field, and
+    `reasoning_content`, its older name, the same text) up to </think>; SmolLM2 never closes it,
+    so all of it is."""
     messages = ASK + [{"role": "assistant", "content": "<think>"}]
     body = {"add_generation_prompt": False, "continue_final_message": True}
     r = chat(client, messages, max_tokens=16, extra_body=body)
     message = r.choices[0].message
-    raw = chat(client, messages, max_tokens=16, extra_body=body, stream=True)
-    streamed = [c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in raw]
-    assert message.model_extra["reasoning_content"] == "".join(streamed) != ""
-    assert not message.content
+    deltas = [
+        c.choices[0].delta.model_extra
+        for c in chat(client, messages, max_tokens=16, extra_body=body, stream=True)
+    ]
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
+    streamed = "".join(d.get("reasoning") or "" for d in deltas)
+    assert message.model_extra["reasoning"] == message.model_extra["reasoning_content"] == streamed
+    assert streamed and not message.content
+
+
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"type": "integer"}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+ANSWER_TOOL = {"type": "function", "function": {"name": "answer", "parameters": ANSWER}}
+# SmolLM2 thinks when the prompt opens <think>, and closes it (a few tokens in) when "</" is
+# favoured: THINK_BIAS
+QUESTION = "What is 2+2? First think step by step inside <think> </think> tags, then answer."
+THINK = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "<think>"}]
+CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": ANSWER},
+            }
+        },
+        {"tools": [ANSWER_TOOL], "tool_choice": "required", "parallel_tool_calls": False},
+    ],
+    ids=["response_format", "tool_choice"],
+)
+def test_a_grammar_starts_after_the_reasoning(client, base_url, constraint):
+    """A reply that starts in reasoning is free up to </think>: its reasoning is the free reply's
+    (the grammar waits); what follows is the grammar's, valid for the schema, whole and streamed
+    (the engine's side, exact under speculation: test_structured)."""
+    tokens = httpx.post(f"{base_url}/tokenize", json={"model": MODEL, "prompt": "</"}, timeout=30)
+    kw = {"max_tokens": 80, "logit_bias": {str(tokens.json()["tokens"][0]): 4}}
+    kw["extra_body"] = CONTINUE
+    shown = {"tools": constraint["tools"], "tool_choice": "none"} if "tools" in constraint else {}
+    free = chat(client, THINK, **kw, **shown).choices[0].message.model_extra["reasoning"]
+    choice = chat(client, THINK, **kw, **constraint).choices[0]
+    assert choice.message.model_extra["reasoning"] == free != ""
+    if "tools" in constraint:
+        assert choice.finish_reason == "tool_calls"
+        [call] = choice.message.tool_calls
+        answer = json.loads(call.function.arguments)
+    else:
+        assert choice.finish_reason == "stop"
+        answer = json.loads(choice.message.content)
+    jsonschema.validate(answer, ANSWER)
+    deltas = [c.choices[0].delta for c in chat(client, THINK, **kw, **constraint, stream=True)]
+    assert "".join(d.model_extra.get("reasoning") or "" for d in deltas) == free
+    if "tools" not in constraint:
+        assert "".join(d.content or "" for d in deltas) == choice.message.content
 
 
 def test_many_stop_strings_and_include_stop_str_in_output(client):

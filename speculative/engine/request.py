@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from speculative.config import SamplingParams
 from speculative.grammar import RequestGrammar
+from speculative.reasoning_grammar import ReasoningGrammar
 
 
 class RequestError(ValueError):
@@ -39,7 +40,7 @@ class Request:
     num_draft_tokens: int = 0  # drafts verified per step: the request's K, at most the engine's
     # structured outputs: the grammar's state after the output, and the drafts [K] and siblings
     # [M][K] that the last step proposed (the next step's masks follow them)
-    grammar: "RequestGrammar | None" = None
+    grammar: "RequestGrammar | ReasoningGrammar | None" = None
     drafts: tuple[list[int], list[list[int]]] = ([], [])
     blocks: list[int] = field(default_factory=list)  # its KV blocks, in position order
     block_hashes: list[int] = field(default_factory=list)  # of its full blocks, once cached
