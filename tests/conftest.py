@@ -148,18 +148,22 @@ def tiny_engine(model_dir, drafter="none", k: int = 3, **overrides):
     return LLMEngine(EngineConfig(**(cfg | overrides)))
 
 
-def run_to_completion(engine, prompts, params, join_schedule=None):
+def run_to_completion(engine, prompts, params, join_schedule=None, on_output=None):
     """Add requests (all at once, or `join_schedule[i]` = number of engine steps before request i
-    is added) and step until done. Returns the requests in input order."""
+    is added) and step until done. on_output(i, output): each RequestOutput a step streams, with
+    its request's input index. Returns the requests in input order."""
     params = params if isinstance(params, list) else [params] * len(prompts)
     join_schedule = join_schedule or [0] * len(prompts)
     pending = sorted(range(len(prompts)), key=lambda i: join_schedule[i])
-    requests, steps = {}, 0
+    requests, index, steps = {}, {}, 0
     while pending or engine.has_work:
         while pending and join_schedule[pending[0]] <= steps:
             i = pending.pop(0)
             requests[i] = engine.add_request(prompts[i], params[i])
-        engine.step()
+            index[requests[i].request_id] = i
+        for output in engine.step():
+            if on_output is not None:
+                on_output(index[output.request_id], output)
         steps += 1
     return [requests[i] for i in range(len(prompts))]
 

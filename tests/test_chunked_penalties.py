@@ -7,7 +7,7 @@ prefix (as in vLLM) while its own blocks are cached for others."""
 
 import pytest
 import torch
-from conftest import tiny_engine, tiny_prompts
+from conftest import run_to_completion, tiny_engine, tiny_prompts
 
 from speculative.config import SamplingParams
 from speculative.engine.request import RequestError
@@ -42,23 +42,17 @@ def drafter_dir(name: str, tiny_drafter_dir):
 def run(engine, prompts, params, joins=None) -> tuple[list, list, list]:
     """Run to completion, recording the plans. -> (each request's output ids, the prompt
     log-probabilities it streamed, or None, the plans)."""
-    joins = joins or [0] * len(prompts)
-    plans, execute = [], engine.executor.execute
+    plans, execute, prompt_logprobs = [], engine.executor.execute, {}
     engine.executor.execute = lambda plan: plans.append(plan) or execute(plan)
-    index, requests, prompt_logprobs, steps = {}, {}, {}, 0
-    pending = sorted(range(len(prompts)), key=lambda i: joins[i])
-    while pending or engine.has_work:
-        while pending and joins[pending[0]] <= steps:
-            i = pending.pop(0)
-            requests[i] = engine.add_request(prompts[i], params[i])
-            index[requests[i].request_id] = i
-        for out in engine.step():
-            if out.prompt_logprobs is not None:
-                assert index[out.request_id] not in prompt_logprobs  # sent once
-                prompt_logprobs[index[out.request_id]] = out.prompt_logprobs
-        steps += 1
+
+    def record(i, out):
+        if out.prompt_logprobs is not None:
+            assert i not in prompt_logprobs  # sent once
+            prompt_logprobs[i] = out.prompt_logprobs
+
+    requests = run_to_completion(engine, prompts, params, joins, record)
     engine.executor.execute = execute
-    outputs = [requests[i].output_ids for i in range(len(prompts))]
+    outputs = [r.output_ids for r in requests]
     return outputs, [prompt_logprobs.get(i) for i in range(len(prompts))], plans
 
 

@@ -490,19 +490,12 @@ def test_abort_ends_waiting_and_running_requests():
 
 
 def collect(engine, prompts, params, joins):
-    """Run like run_to_completion but keep every RequestOutput streamed, per request."""
-    streamed, index = {}, {}
-    pending, steps = list(range(len(prompts))), 0
-    requests = {}
-    while pending or engine.has_work:
-        while pending and joins[pending[0]] <= steps:
-            i = pending.pop(0)
-            requests[i] = engine.add_request(prompts[i], params[i])
-            index[requests[i].request_id] = i
-        for out in engine.step():
-            streamed.setdefault(index[out.request_id], []).append(out)
-        steps += 1
-    return [requests[i] for i in range(len(prompts))], streamed
+    """run_to_completion, keeping every RequestOutput streamed, per request."""
+    streamed = {}
+    requests = run_to_completion(
+        engine, prompts, params, joins, lambda i, out: streamed.setdefault(i, []).append(out)
+    )
+    return requests, streamed
 
 
 def mixed_workload():
