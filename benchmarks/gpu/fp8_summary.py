@@ -13,17 +13,20 @@ def load(folder: Path, name: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def paired_rows(bf16: dict, fp8: dict) -> list[tuple[dict, dict]]:
+    """The (bf16 row, FP8 row) pairs of the batch and context points both runs measured."""
+    fp8_rows = {(r["batch"], r["context"]): r for r in fp8["rows"]}
+    pairs = [(r, fp8_rows.get((r["batch"], r["context"]))) for r in bf16["rows"]]
+    return [(r, f) for r, f in pairs if f is not None]
+
+
 def verify_rows(bf16: dict, fp8: dict) -> tuple[list[str], list[dict]]:
     floor = fp8["floors"]["verify_floor_ms"]
     lines = [f"FP8 weight-read floor of the verify pass: {floor:.2f} ms (bf16's: "
              f"{bf16['floors']['verify_floor_ms']:.2f} ms)",
              "batch context  bf16 ms  x fp8 floor   fp8 ms  x fp8 floor  bf16/fp8"]  # fmt: skip
     rows = []
-    fp8_rows = {(r["batch"], r["context"]): r for r in fp8["rows"]}
-    for r in bf16["rows"]:
-        f = fp8_rows.get((r["batch"], r["context"]))
-        if f is None:
-            continue
+    for r, f in paired_rows(bf16, fp8):
         rows.append({"batch": r["batch"], "context": r["context"], "bf16_verify_ms": r["verify_ms"],
                      "fp8_verify_ms": f["verify_ms"], "fp8_floor_ms": floor,
                      "bf16_over_fp8_floor": r["verify_ms"] / floor,
@@ -44,11 +47,7 @@ def verify_rows(bf16: dict, fp8: dict) -> tuple[list[str], list[dict]]:
 def plain_rows(bf16: dict, fp8: dict) -> tuple[list[str], list[dict]]:
     lines = ["plain decoding: batch context  bf16 tok/s  fp8 tok/s  fp8/bf16"]
     rows = []
-    fp8_rows = {(r["batch"], r["context"]): r for r in fp8["rows"]}
-    for r in bf16["rows"]:
-        f = fp8_rows.get((r["batch"], r["context"]))
-        if f is None:
-            continue
+    for r, f in paired_rows(bf16, fp8):
         b, c = r["batch"], r["context"]
         rows.append({"batch": b, "context": c, "bf16_tokens_per_s": 1000 * b / r["step_ms"],
                      "fp8_tokens_per_s": 1000 * b / f["step_ms"]})  # fmt: skip
