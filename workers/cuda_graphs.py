@@ -245,15 +245,16 @@ GRAPH_OVERHEAD_BYTES = 1 << 20
 
 def estimate_graph_bytes(runner) -> int:
     """The memory capture_step_graphs will take, estimated without capturing (so sizing the
-    pool costs no capture of its own): the heaviest bucket's transient memory, measured by
+    pool costs no capture of its own): each kind's heaviest transient memory, measured by
     running its function once eagerly with attention as in the graphs, plus what every graph
-    keeps (static inputs, outputs) and GRAPH_OVERHEAD_BYTES a graph."""
+    keeps (static inputs, outputs) and GRAPH_OVERHEAD_BYTES a graph. The kinds' peaks are
+    summed, an upper bound: they share one pool, but a kind's allocations need not fit the
+    blocks an earlier kind freed."""
     graphs = step_graph_set(runner).all()
     with _attention_as_in_graphs():
         estimates = [g.estimate(_cuda_transient) for g in graphs]
     count = sum(len(g.capture_keys()) for g in graphs)
-    peak = max((p for p, _ in estimates), default=0)
-    return peak + sum(k for _, k in estimates) + count * GRAPH_OVERHEAD_BYTES
+    return sum(p + k for p, k in estimates) + count * GRAPH_OVERHEAD_BYTES
 
 
 def _cuda_transient(fn, *args, **kwargs) -> tuple[int, tuple]:
