@@ -267,6 +267,8 @@ def test_one_capture_per_batch_bucket_serves_two_context_lengths():
     target-pass and draft-chain graphs as batch buckets, each captured once, sizing by
     gpu_memory_utilization included (it estimates the graphs' memory without capturing them).
     Graphed output equals eager at a short context and at one past 2048 tokens."""
+    import gc
+
     from workers.cuda_graphs import StepGraphs
 
     captures = []
@@ -276,15 +278,16 @@ def test_one_capture_per_batch_bucket_serves_two_context_lengths():
         captures.append((batch, length))
         capture(self, batch, length)
 
-    long_question = " ".join(QUESTIONS * 60)  # about 2400 tokens
+    long_question = " ".join(QUESTIONS * 80)  # about 2800 tokens
     outputs, replays = [], []
     StepGraphs._capture = counted
     try:
         for graphs in (True, False):
+            # the graphed engine sizes its pool by measuring; the eager one needs no sizing
+            sizing = {"gpu_memory_utilization": 0.5} if graphs else {"kv_cache_memory_gb": POOL_GB}
             cfg = EngineConfig(model=MODEL, drafter=DRAFTER, num_draft_tokens=3,
                                max_model_len=4096, max_batch_size=8, device="cuda",
-                               dtype="float32", cuda_graphs=graphs,
-                               gpu_memory_utilization=0.5)  # fmt: skip
+                               dtype="float32", cuda_graphs=graphs, **sizing)  # fmt: skip
             engine = LLMEngine(cfg)
             runner = engine.executor
             params = SamplingParams(max_tokens=32)
@@ -302,7 +305,10 @@ def test_one_capture_per_batch_bucket_serves_two_context_lengths():
                 measured = (runner.graphs.pool_bytes, runner.graphs.estimated_bytes)
                 print(f"graphs: {len(captures)} captured, {measured[0] / 2**20:.1f} MiB, "
                       f"estimated {measured[1] / 2**20:.1f} MiB")  # fmt: skip
+                del step_graphs, g
             del engine, runner
+            gc.collect()
+            torch.cuda.empty_cache()
     finally:
         StepGraphs._capture = capture
     assert len(prompts[0]) > 2048
