@@ -273,11 +273,13 @@ def smollm2_near_tie(hf_smollm2):
     return check
 
 
-def replay_graphs_on_cpu(runner, *parts: str) -> StepGraphSet:
+def replay_graphs_on_cpu(runner, *parts: str, batch_only: bool = True) -> StepGraphSet:
     """The runner's step graphs as CpuStepGraphs (the real bucketing and padding, replayed
     eagerly: tests/cpu_graphs.py), captured: the named parts of the set (prefill, verify,
-    target_pass, chain), or all of them. Returns the runner's set."""
-    built = step_graph_set(runner, CpuStepGraphs)
+    target_pass, chain), or all of them. Returns the runner's set. The step graphs are keyed as
+    where the paged kernel runs, by batch bucket only (batch_only=False: by length too, as the
+    gather's)."""
+    built = step_graph_set(runner, CpuStepGraphs, batch_only)
     for part in parts or ("prefill", "verify", "target_pass", "chain"):
         graphs = getattr(built, part)
         setattr(runner.graphs, part, graphs)

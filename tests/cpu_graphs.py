@@ -18,9 +18,21 @@ class EagerReplay:
 
 
 class CpuStepGraphs(StepGraphs):
+    """Also counts its captures and records the kv_len each replay stood for."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.captures = 0
+        self.replayed_kv_lens: list[int] = []
+
     def _capture(self, batch: int, length: int) -> None:
         inputs = self.static_inputs(batch, length)
         # cloned: an output may be a view (expanded) that copy_ cannot write into
         outputs = tuple(o.clone() for o in self.fn(*inputs, kv_len=length))
         replay = EagerReplay(self.fn, inputs, outputs, length)
         self.graphs[(batch, length)] = (inputs, outputs, replay)
+        self.captures += 1
+
+    def __call__(self, slots, *values, kv_len: int) -> tuple:
+        self.replayed_kv_lens.append(kv_len)
+        return super().__call__(slots, *values, kv_len=kv_len)

@@ -262,6 +262,61 @@ def test_pool_sized_by_gpu_memory_utilization_stays_within_it():
     assert outputs == _generate(DRAFTER, graphs=True)
 
 
+def test_one_capture_per_batch_bucket_serves_two_context_lengths():
+    """With the paged kernel the step graphs are keyed by batch bucket only: as many verify,
+    target-pass and draft-chain graphs as batch buckets, each captured once, sizing by
+    gpu_memory_utilization included (it estimates the graphs' memory without capturing them).
+    Graphed output equals eager at a short context and at one past 2048 tokens."""
+    import gc
+
+    from workers.cuda_graphs import StepGraphs
+
+    captures = []
+    capture = StepGraphs._capture
+
+    def counted(self, batch: int, length: int) -> None:
+        captures.append((batch, length))
+        capture(self, batch, length)
+
+    long_question = " ".join(QUESTIONS * 80)  # about 2800 tokens
+    outputs, replays = [], []
+    StepGraphs._capture = counted
+    try:
+        for graphs in (True, False):
+            # the graphed engine sizes its pool by measuring; the eager one needs no sizing
+            sizing = {"gpu_memory_utilization": 0.5} if graphs else {"kv_cache_memory_gb": POOL_GB}
+            cfg = EngineConfig(model=MODEL, drafter=DRAFTER, num_draft_tokens=3,
+                               max_model_len=4096, max_batch_size=8, device="cuda",
+                               dtype="float32", cuda_graphs=graphs, **sizing)  # fmt: skip
+            engine = LLMEngine(cfg)
+            runner = engine.executor
+            params = SamplingParams(max_tokens=32)
+            for questions in (QUESTIONS, [long_question]):
+                prompts = [encode_prompt(engine.tokenizer, q) for q in questions]
+                outputs.append([r.output_ids for r in engine.generate(prompts, params)])
+                if graphs:
+                    replays.append(runner.graphs.verify.replays)
+            if graphs:
+                step_graphs = [runner.graphs.verify, runner.graphs.target_pass, runner.graphs.chain]
+                for g in step_graphs:
+                    assert g.lengths == [runner.kv.cache_len]
+                    assert len(g.graphs) == len(g.batch_buckets) == 4
+                assert len(captures) == sum(len(g.graphs) for g in runner.graphs.all())
+                measured = (runner.graphs.pool_bytes, runner.graphs.estimated_bytes)
+                print(f"graphs: {len(captures)} captured, {measured[0] / 2**20:.1f} MiB, "
+                      f"estimated {measured[1] / 2**20:.1f} MiB")  # fmt: skip
+                del step_graphs, g
+            del engine, runner
+            gc.collect()
+            torch.cuda.empty_cache()
+    finally:
+        StepGraphs._capture = capture
+    assert len(prompts[0]) > 2048
+    assert 0 < replays[0] < replays[1]  # the long context replayed the same graphs
+    assert outputs[:2] == outputs[2:]
+    assert measured[0] <= measured[1], f"the graphs took more than estimated: {measured}"
+
+
 def test_no_host_sync_inside_steps():
     plain = _generate("none", graphs=True, max_tokens=16)
     assert _generate(DRAFTER, graphs=True, check_sync=True, max_tokens=16) == plain

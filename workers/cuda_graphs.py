@@ -4,8 +4,15 @@ The function takes the batch's slots (padded with the dummy slot up to the bucke
 inputs, each per row [batch] or per token [batch, length bucket], reads and writes only
 fixed-address state (KV caches, slot state, the resource manager), and returns per-row outputs.
 Replaying copies the real rows into the static inputs (the rest get the input's pad value),
-replays, and returns views of the first rows of the static outputs."""
+replays, and returns views of the first rows of the static outputs.
 
+Where the paged kernel runs the step's attention, the step graphs have one length, the cache's:
+they are keyed by batch bucket only. The block table (KVCache.block_table) and each row's
+length (SlotState.num_computed, from which positions come) are static buffers the graph reads
+in place, so one capture serves every context length. A per-step value the kernel may come to
+need (a split count, say) would be one more GraphInput, copied in at each replay."""
+
+import contextlib
 import logging
 import os
 import time
@@ -61,13 +68,34 @@ class StepGraphs:
             tuple[int, int], tuple[list[torch.Tensor], tuple, torch.cuda.CUDAGraph]
         ] = {}
 
+    def capture_keys(self) -> list[tuple[int, int]]:
+        """The (batch, length) buckets to capture, largest first: later graphs reuse its pool
+        memory."""
+        keys = [(b, n) for b in reversed(self.batch_buckets) for n in reversed(self.lengths)]
+        return [(b, n) for b, n in keys if self.max_tokens is None or b * n <= self.max_tokens]
+
     def capture_all(self) -> None:
-        for batch in reversed(
-            self.batch_buckets
-        ):  # largest first: later graphs reuse its pool memory
-            for length in reversed(self.lengths):
-                if self.max_tokens is None or batch * length <= self.max_tokens:
-                    self._capture(batch, length)
+        for batch, length in self.capture_keys():
+            self._capture(batch, length)
+
+    def estimate(self, run_measured) -> tuple[int, int]:
+        """What capture_all would take, without capturing: (the largest transient bytes of a
+        bucket's function, the bytes the graphs keep: static inputs and outputs).
+        run_measured(fn, *args, **kwargs) -> (the transient bytes of the call, its outputs).
+        The function runs once a length, at its largest batch bucket; the smaller buckets'
+        inputs and outputs, all per row, are scaled to their batch."""
+        peak, kept, keys = 0, 0, self.capture_keys()
+        for length in self.lengths:
+            batches = [b for b, n in keys if n == length]
+            if not batches:
+                continue
+            largest = batches[0]
+            inputs = self.static_inputs(largest, length)
+            transient, outputs = run_measured(self.fn, *inputs, kv_len=length)
+            per_row = sum(t.nbytes for t in (*inputs, *outputs)) / largest
+            peak = max(peak, transient)
+            kept += round(per_row * sum(batches))
+        return peak, kept
 
     def static_inputs(self, batch: int, length: int) -> list[torch.Tensor]:
         """A bucket's inputs, filled with their pad values: the slots, then each GraphInput."""
@@ -135,7 +163,8 @@ class StepGraphSet:
     verify: StepGraphs | None = None  # the greedy verify pass (or the whole decode step)
     target_pass: StepGraphs | None = None  # the target pass alone, for eager verification
     chain: StepGraphs | None = None  # draft forwards 2..K
-    pool_bytes: int = 0
+    pool_bytes: int = 0  # measured at their capture
+    estimated_bytes: int = 0  # estimated before it, where the pool was sized by measuring
 
     def all(self) -> list[StepGraphs]:
         graphs = (self.prefill, self.verify, self.target_pass, self.chain)
@@ -153,15 +182,18 @@ def prefill_graphs(runner, graphs_class=StepGraphs) -> StepGraphs:
     return graphs_class(fn, slots, lengths, dummy, inputs, runner.device, max_tokens)
 
 
-def step_graph_set(runner, graphs_class=StepGraphs) -> StepGraphSet:
-    """The runner's graphs, to capture (graphs_class: tests run them eagerly on CPU)."""
+def step_graph_set(runner, graphs_class=StepGraphs, batch_only: bool | None = None) -> StepGraphSet:
+    """The runner's graphs, to capture (graphs_class: tests run them eagerly on CPU).
+    batch_only: the step graphs keyed by batch bucket only, at the cache's whole length (default:
+    where the paged kernel runs the verify pass)."""
     slots, dummy, dev = runner.num_slots, runner.kv.dummy_slot, runner.device
     # the gather reads kv_len keys a row, so graphs bucket by it too; the paged kernel reads
-    # each row's own keys, so one length serves every step: buckets by batch size only
+    # each row's own keys, so one length serves every step: buckets by batch size only (and the
+    # gather at the whole length gives the same tokens, only slower: the CPU stand-in's keying)
+    if batch_only is None:
+        batch_only = attention_backend.use_paged_kernel(dev, runner.T)
     cache_len = runner.kv.cache_len
-    lengths = (
-        [cache_len] if attention_backend.use_paged_kernel(dev, runner.T) else kv_buckets(cache_len)
-    )
+    lengths = [cache_len] if batch_only else kv_buckets(cache_len)
     verifier = runner.verifier
     verify = verifier.decode_step if verifier.whole_step else verifier.greedy
     graphs = StepGraphSet(
@@ -176,7 +208,7 @@ def step_graph_set(runner, graphs_class=StepGraphs) -> StepGraphSet:
     return graphs
 
 
-def capture_step_graphs(runner) -> StepGraphSet:
+def capture_step_graphs(runner, estimated_bytes: int = 0) -> StepGraphSet:
     """CUDA graphs for greedy prefill of up to PREFILL_GRAPH_TOKENS tokens (longer prefills
     amortise their launches), the greedy verify pass (plain decode when K=0), the target pass
     alone (the other steps' verify) and draft steps 2..K. They share one memory pool, which is
@@ -192,28 +224,66 @@ def capture_step_graphs(runner) -> StepGraphSet:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # what the warm-ups left cached: the graphs keep only their pool
     graphs.pool_bytes = free_before - torch.cuda.mem_get_info()[0]
+    graphs.estimated_bytes = estimated_bytes
+    estimate = f", estimated {estimated_bytes / 2**20:.1f} MiB" if estimated_bytes else ""
     log.info(
-        "rank %d: captured %d CUDA graphs in %.1f s (%.1f MiB)",
+        "rank %d: captured %d CUDA graphs in %.1f s (%.1f MiB%s)",
         runner.rank,
         sum(len(g.graphs) for g in graphs.all()),
         time.perf_counter() - start,
         graphs.pool_bytes / 2**20,
+        estimate,
     )
     return graphs
 
 
-def _capture_in_one_pool(graphs: list[StepGraphs]) -> None:
+# an allowance per graph for what the estimate cannot see: the driver's instantiated graph and
+# the pool's rounding of small outputs to 2 MiB segments (tests/test_gpu.py compares it with
+# the capture's measurement)
+GRAPH_OVERHEAD_BYTES = 1 << 20
+
+
+def estimate_graph_bytes(runner) -> int:
+    """The memory capture_step_graphs will take, estimated without capturing (so sizing the
+    pool costs no capture of its own): each kind's heaviest transient memory, measured by
+    running its function once eagerly with attention as in the graphs, plus what every graph
+    keeps (static inputs, outputs) and GRAPH_OVERHEAD_BYTES a graph. The kinds' peaks are
+    summed, an upper bound: they share one pool, but a kind's allocations need not fit the
+    blocks an earlier kind freed."""
+    graphs = step_graph_set(runner).all()
+    with _attention_as_in_graphs():
+        estimates = [g.estimate(_cuda_transient) for g in graphs]
+    count = sum(len(g.capture_keys()) for g in graphs)
+    return sum(p + k for p, k in estimates) + count * GRAPH_OVERHEAD_BYTES
+
+
+def _cuda_transient(fn, *args, **kwargs) -> tuple[int, tuple]:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    outputs = fn(*args, **kwargs)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base, outputs
+
+
+@contextlib.contextmanager
+def _attention_as_in_graphs():
     # Captured with cuDNN attention, which made plain decoding 1.26x and EAGLE-3 1.31x faster at
     # batch 8 on the H200 and runs GQA attention without copies (workers/layers/attention.py); eager
     # forwards keep it off (a host-side plan per new shape). EAGLESERVE_CUDNN_IN_GRAPHS=0
     # captures without it.
     use_cudnn = os.environ.get("EAGLESERVE_CUDNN_IN_GRAPHS", "1") != "0"
     torch.backends.cuda.enable_cudnn_sdp(use_cudnn)
-    pool, side_stream = None, torch.cuda.Stream()
     try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def _capture_in_one_pool(graphs: list[StepGraphs]) -> None:
+    pool, side_stream = None, torch.cuda.Stream()
+    with _attention_as_in_graphs():
         for g in graphs:
             g.pool, g.side_stream = pool, side_stream
             g.capture_all()
             pool = g.pool
-    finally:
-        torch.backends.cuda.enable_cudnn_sdp(False)

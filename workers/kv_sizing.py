@@ -37,6 +37,7 @@ class PoolSize:
     num_blocks: int
     block_size: int  # tokens a block
     rule: str  # which setting sized the pool, for the start log
+    graph_bytes: int = 0  # the CUDA graphs' estimated memory the pool left room for
 
 
 @dataclass(frozen=True)
@@ -47,14 +48,14 @@ class GpuMemory:
     free_at_start: int  # before this engine loaded anything; other processes hold the rest
     engine: int  # held since the start: weights, per-slot state, workspaces, NCCL buffers
     peak_step: int  # activations of the peak step, above what stays allocated after it
-    graphs: int  # the CUDA graphs (0 without them)
+    graphs: int  # the CUDA graphs, estimated before their one capture (0 without them)
 
     def report(self, utilization: float) -> str:
         return (
             f"gpu_memory_utilization={utilization}: {utilization * self.total / GiB:.2f} of "
             f"{self.total / GiB:.2f} GiB ({self.free_at_start / GiB:.2f} GiB free at start); "
             f"weights and other memory {self.engine / GiB:.2f} GiB, peak step "
-            f"{self.peak_step / GiB:.2f} GiB, CUDA graphs {self.graphs / GiB:.2f} GiB"
+            f"{self.peak_step / GiB:.2f} GiB, CUDA graphs {self.graphs / GiB:.2f} GiB (estimated)"
         )
 
     def advice(self, utilization: float) -> str:

@@ -1,7 +1,7 @@
 """Sizing a rank's KV pool (the arithmetic is workers/kv_sizing.py's); on CUDA without
 kv_cache_memory_gb, by measuring the GPU as vLLM does: with a pool of one block, run the engine's
-peak step (`run_peak_steps`), capture the CUDA graphs, and give the pool what
-gpu_memory_utilization leaves."""
+peak step (`run_peak_steps`), estimate the CUDA graphs without capturing them
+(`estimate_graph_bytes`), and give the pool what gpu_memory_utilization leaves."""
 
 import gc
 import logging
@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from speculative.config import MAX_STOP_IDS, SamplingParams
 from speculative.plan import PrefillRow, StepPlan
-from workers.cuda_graphs import capture_step_graphs
+from workers.cuda_graphs import estimate_graph_bytes
 from workers.kv_sizing import (
     CPU_DEFAULT_SLOTS,
     GPU_DEFAULT_SLOTS,
@@ -106,12 +106,13 @@ def _measured_pool(runner, cache_len: int, at_start, per_token: int, num_slots: 
     # fewer slots than were profiled: the measured peak step stays an upper bound
     num_slots = slots_the_pool_holds(cfg, num_slots, num_blocks)
     rule = f"gpu_memory_utilization={utilization}"
-    return PoolSize(num_slots, num_blocks, cfg.kv_block_size, rule)
+    return PoolSize(num_slots, num_blocks, cfg.kv_block_size, rule, mem.graphs)
 
 
 def measure_gpu(runner, cache_len: int, num_slots: int, at_start: tuple[int, int]) -> GpuMemory:
     """The runner's memory with a pool of one block (its per-slot state as it will be): held,
-    at the peak step, and in its CUDA graphs. Leaves the runner to be allocated again."""
+    at the peak step, and in its CUDA graphs (estimated). Leaves the runner to be allocated
+    again."""
     free_at_start, total = at_start
     runner._allocate(cache_len, PoolSize(num_slots, 1, runner.cfg.kv_block_size, "profiling"))
     torch.cuda.synchronize()
@@ -128,10 +129,9 @@ def measure_gpu(runner, cache_len: int, num_slots: int, at_start: tuple[int, int
     torch.cuda.synchronize()
     peak_step = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
     graphs = 0
-    if runner.cfg.cuda_graphs:
+    if runner.cfg.cuda_graphs:  # estimated: the one capture comes once the pool is allocated
         with torch.inference_mode():
-            graphs = capture_step_graphs(runner).pool_bytes  # released once dropped
-        gc.collect()
+            graphs = estimate_graph_bytes(runner)
     torch.cuda.empty_cache()
     engine = free_at_start - torch.cuda.mem_get_info(runner.device)[0]
     # at least what torch holds: memory another process freed since the start would lower it

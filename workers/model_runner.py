@@ -71,7 +71,8 @@ class ModelRunner:
             "rank %d: loaded %s (drafter %s) in %.1f s", self.rank, cfg.model, cfg.drafter, seconds
         )
         self.graphs = StepGraphSet()
-        self._allocate(cache_len, size_pool(self, cache_len, at_start))
+        size = size_pool(self, cache_len, at_start)
+        self._allocate(cache_len, size)
         log.info(
             "rank %d: weights %.2f GiB on this rank; %s; Eagle3 resource manager %.1f MiB",
             self.rank,
@@ -81,7 +82,7 @@ class ModelRunner:
         )
         if cfg.cuda_graphs and self.device.type == "cuda":
             with torch.inference_mode():
-                self.graphs = capture_step_graphs(self)
+                self.graphs = capture_step_graphs(self, size.graph_bytes)
 
     def _allocate(self, cache_len: int, size: PoolSize) -> None:
         cfg, tc, drafter, dev = self.cfg, self.target_cfg, self.drafter, self.device

@@ -14,8 +14,8 @@
 #               K=5, batch 8 alone and mixed 4 + 4, SmolLM2 GGUF, bf16. Under a minute.
 #   paged       benchmarks/paged_kv.py: prefix TTFT cold/cached (2500 tokens), longest stream
 #               stall chunked/whole (6000 tokens), KV capacity at the default sizing, SmolLM2
-#               GGUF, bf16; every engine but two sizes its pool by profiling, which captures
-#               the graphs twice. About 2-3 minutes.
+#               GGUF, bf16; every engine but two sizes its pool by profiling. About 2-3
+#               minutes.
 # Run after the .device/ setup calls (device_env.sh). The engine imports xgrammar, which the site
 # bundle lacks: carry .device/wheels (xgrammar 0.2.9, apache-tvm-ffi 0.1.15.post2 and
 # typing_extensions 4.16.0, cp312 manylinux wheels, 4.6 MB). TINY=1: a CPU dry run of every part.
