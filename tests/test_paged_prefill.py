@@ -149,6 +149,8 @@ def test_peak_step_profile_gathers_no_context_with_the_kernels(tiny_dir, monkeyp
     budget through the prefill kernel and every slot its share through the decode kernel, and
     no step copies a context: the measured peak holds none (a gathering profile takes 63 rows
     of a context each at max_model_len 131072 and a budget of 8192)."""
+    if DEVICE != "cpu":
+        pytest.skip("a CPU engine: the interpreter's kernels")
     from conftest import tiny_engine
 
     import workers.layers.attention

@@ -135,6 +135,13 @@ def _combine_splits_kernel(
     tl.store(out_ptr + o_at, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+def query_tiles(T: int, group: int) -> tuple[int, int]:
+    """(query rows a tile, tiles a row and KV head) for T tokens of a GQA group's heads."""
+    rows = T * group
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    return block_m, triton.cdiv(rows, block_m)
+
+
 def split_count(programs: int, kv_len: int, sms: int) -> int:
     """Splits of each row's keys for about two programs per SM, given `programs` (rows x KV
     heads x query tiles) and sms SMs, each split of at least MIN_SPLIT_KEYS of kv_len keys; one
@@ -168,9 +175,7 @@ def paged_attention(
     kv_heads, block_size = k_pool.shape[2], k_pool.shape[1]
     assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1 and q.stride(-1) == 1
     group = H // kv_heads
-    rows = T * group
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    m_tiles = triton.cdiv(rows, block_m)
+    block_m, m_tiles = query_tiles(T, group)
     d_p2 = max(16, triton.next_power_of_2(D))
     if num_splits is None:
         num_splits = default_splits(B * kv_heads * m_tiles, batch.kv_len, q.device)

@@ -14,6 +14,8 @@ tail of the wave.
 An FP8 pool's tiles are widened to the queries' dtype as they are loaded; K's scale folds into
 the softmax scale, V's into the output."""
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -21,6 +23,23 @@ import triton.language as tl
 from workers.layers.kv_cache import ForwardBatch
 
 LOG2_E = 1.4426950408889634
+
+
+class PrefillTiles(NamedTuple):
+    block_m: int  # query rows a program: (token, query head) pairs
+    block_n: int  # keys a tile
+    num_warps: int
+    num_stages: int  # key tiles in flight
+
+
+# 16-bit queries with heads of up to 128: a 128 x 128 query tile and two stages of 64-key K and V
+# tiles, about 96 KiB of shared memory; float32 or wider heads take half the rows and keys
+WIDE_TILES = PrefillTiles(128, 64, 8, 2)
+NARROW_TILES = PrefillTiles(64, 32, 4, 2)
+
+
+def default_tiles(dtype: torch.dtype, head_dim: int) -> PrefillTiles:
+    return WIDE_TILES if dtype.itemsize <= 2 and head_dim <= 128 else NARROW_TILES
 
 
 @triton.jit
@@ -104,22 +123,20 @@ def paged_prefill(
     pool: torch.Tensor,
     batch: ForwardBatch,
     kv_scale=(1.0, 1.0),
-    block_m: int = 128,
-    block_n: int = 64,
-    num_warps: int = 8,
-    num_stages: int = 2,
+    tiles: PrefillTiles | None = None,
 ) -> torch.Tensor:
     """q [B, T, H, D] (rotated), one layer's pool [2, blocks + 1, block_size, kv_heads, D]
     -> the attention output [B, T, H, D] under the chain's causal mask (a token at position p
-    sees keys 0..p). kv_scale: an FP8 pool's K and V scales (ignored for others); block_m,
-    block_n, num_warps, num_stages: the tiles and their launch (benchmarks compare them)."""
+    sees keys 0..p). kv_scale: an FP8 pool's K and V scales (ignored for others); tiles: the
+    tiles and their launch (default_tiles; benchmarks compare others)."""
     assert batch.tree is None, "draft trees run paged_attention.py's kernel"
     B, T, H, D = q.shape
     k_pool, v_pool = pool[0], pool[1]
     kv_heads, block_size = k_pool.shape[2], k_pool.shape[1]
     assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1 and q.stride(-1) == 1
     group = H // kv_heads
-    m_tiles = triton.cdiv(T * group, block_m)
+    tiles = tiles or default_tiles(q.dtype, D)
+    m_tiles = triton.cdiv(T * group, tiles.block_m)
     out = torch.empty_like(q)
     positions = batch.positions.contiguous()
     table = batch.block_table.contiguous()
@@ -132,7 +149,7 @@ def paged_prefill(
         out.stride(0), out.stride(1), out.stride(2),
         table.stride(0), table.shape[1], kv_heads, T, D**-0.5 * k_scale * LOG2_E, v_scale,
         GROUP=group, D=D, D_P2=max(16, triton.next_power_of_2(D)), BS=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision,
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=precision,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return out
