@@ -208,7 +208,8 @@ def test_graphs_bucket_by_batch_only_with_the_kernel(tiny_dir, tiny_drafter_dir,
     """With the kernel, a step's graphs are captured once per batch size at the cache's whole
     length (the kernel reads each row's own keys), and a short prefill past a long cached prefix
     replays its own length's prefill graph. Replayed (eagerly on CPU, by the real StepGraphs),
-    they give the gather path's tokens."""
+    they give the gather path's tokens. Rows past 32 tokens gather (EAGLESERVE_PAGED_PREFILL=0):
+    the interpreter would run the prefill kernel in every prefill graph's capture."""
     prefix = tiny_prompts(1, seed=7, min_len=320, max_len=320)[0]  # 20 blocks
     prompts = [prefix + p for p in tiny_prompts(4, seed=8, min_len=3, max_len=8)]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -217,6 +218,7 @@ def test_graphs_bucket_by_batch_only_with_the_kernel(tiny_dir, tiny_drafter_dir,
     reference_ids = [r.output_ids for r in run_to_completion(engine, prompts, params, schedule)]
     monkeypatch.setattr(attention_backend, "paged_kernel_available", lambda device: True)
     monkeypatch.setattr(attention_backend, "KERNEL_MAX_QUERY", 32)
+    monkeypatch.setenv("EAGLESERVE_PAGED_PREFILL", "0")
     engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, max_model_len=512)
     runner = engine.executor
     replay_graphs_on_cpu(runner)
