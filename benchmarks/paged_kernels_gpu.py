@@ -150,10 +150,16 @@ def measure_prefill(rows: list[dict]) -> None:
                  "gather": partial(gather_folded, q, pool, batch)}  # fmt: skip
         row = {"layer": layer, "dtype": str(dtype), "tokens": T, "context": context}
         for name, fn in paths.items():
-            ms = events_ms(fn)
+            try:
+                ms = events_ms(fn)
+            except torch.cuda.OutOfMemoryError:  # the gather's copies past the card's memory
+                row |= {f"{name}_ms": None, f"{name}_tflops": None, f"{name}_peak_gb": "OOM"}
+                empty_cache()
+                continue
             row |= {f"{name}_ms": round(ms, 3), f"{name}_tflops": round(tflop / ms * 1e3, 1),
                     f"{name}_peak_gb": peak_gb(fn)}  # fmt: skip
-        row["speedup"] = round(row["gather_ms"] / row["kernel_ms"], 2)
+        timed = row["gather_ms"] and row["kernel_ms"]
+        row["speedup"] = round(row["gather_ms"] / row["kernel_ms"], 2) if timed else None
         rows.append(row)
         print(row)
         del q, pool, batch, paths
