@@ -116,10 +116,11 @@ def test_fp8_kv_cache_in_the_engine_kernel_gives_the_gather_paths_tokens(
     tmp_path, tiny_dir, tiny_drafter_dir, monkeypatch
 ):
     """kv_cache_dtype fp8 with a checkpoint's per-layer K and V scales: the engine's greedy
-    tokens with every attention run by the kernel (prefill, verify, drafts) are the gather
-    path's."""
+    tokens with every attention run by the kernels (prefill past 8 tokens by the prefill
+    kernel; verify, drafts) are the gather path's."""
     from tiny_fp8 import write_fp8
 
+    monkeypatch.setattr(attention_backend, "KERNEL_MAX_QUERY", 8)
     target = write_fp8(tiny_dir, tmp_path / "kv-scales", None, kv_scales=True)
     prompts = tiny_prompts(2, seed=12, min_len=20, max_len=30)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -139,21 +140,28 @@ def test_fp8_kv_cache_in_the_engine_kernel_gives_the_gather_paths_tokens(
 def test_engine_with_the_kernel_gives_the_reference_paths_tokens(
     tiny_dir, tiny_drafter_dir, monkeypatch, drafter, tree
 ):
-    """The engine with every attention (target and drafter; prefill chunks, verify, draft
-    chain or tree) run by the kernel: the tokens of the gather-and-SDPA path, with requests
-    joining mid-flight, a shared prefix from the prefix cache and prompts in chunks."""
+    """The engine with every attention (target and drafter; prefill chunks past 16 tokens by
+    the prefill kernel, verify, draft chain or tree) run by the kernels: the tokens of the
+    gather-and-SDPA path, with requests joining mid-flight, a shared prefix from the prefix
+    cache and prompts in chunks."""
     shared = tiny_prompts(1, seed=5, min_len=40, max_len=40)[0]
     prompts = [shared + p for p in tiny_prompts(4, seed=6)]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     options = dict(k=3, max_num_batched_tokens=64, draft_siblings=2 if tree else 0)
     drafter_dir = tiny_drafter_dir if drafter else "none"
-    calls = []
+    calls, prefill_starts = [], []
 
     def counted(*args, **kwargs):
         calls.append(args[2].tree is not None)
         return paged_attention(*args, **kwargs)
 
+    def counted_prefill(q, pool, batch, *args):
+        prefill_starts.extend(batch.positions[:, 0].tolist())
+        return paged_prefill(q, pool, batch, *args)
+
     monkeypatch.setattr(workers.layers.paged_attention, "paged_attention", counted)
+    monkeypatch.setattr(workers.layers.paged_prefill, "paged_prefill", counted_prefill)
+    monkeypatch.setattr(attention_backend, "KERNEL_MAX_QUERY", 16)
     outputs = []
     for kernel in (False, True):
         monkeypatch.setattr(
@@ -165,6 +173,7 @@ def test_engine_with_the_kernel_gives_the_reference_paths_tokens(
     assert outputs[0] == outputs[1]
     assert engine.scheduler.kv.manager.stats.num_hit_tokens >= 32
     assert len(calls) > 100 and any(calls) == tree
+    assert max(prefill_starts) >= 32  # chunks past a cached prefix or an earlier chunk
 
 
 def test_engine_picks_the_kernel_by_query_length(tiny_dir, tiny_drafter_dir, monkeypatch):
