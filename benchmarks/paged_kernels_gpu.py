@@ -5,8 +5,10 @@
 - prefill: paged_prefill.py's kernel against the gather + SDPA it replaces for rows past 128
   tokens, as the engine ran them eagerly (read_kv, the mask folded over the GQA group, the
   memory-efficient kernel), one row's prompt chunk of 8k tokens at 8k and 32k of context and of
-  32k at 32k, and a float32 chunk of 2k at SmolLM2-135M's layer: ms, TFLOP/s of the causal
-  attention, each path's peak memory above its inputs; then the kernel's tiles at 8k.
+  32k at 32k, a float32 chunk of 2k at SmolLM2-135M's layer, and rows just past the switch
+  (256 at 32k, 512 at 4k: the kernel with its keys split, the default there, and without, and
+  the decode kernel): ms, TFLOP/s of the causal attention, each path's peak memory above its
+  inputs; then the kernel's tiles at 8k.
 - decode: paged_attention.py's kernel with each row's keys split over programs (flash-decoding,
   the default split count, and twice it) against no split, batch 1 and 8 at 8k, 32k and 128k,
   one query token a row and six (a K=5 verify pass): ms a call in CUDA graphs, GB/s of K/V
@@ -48,12 +50,17 @@ DTYPE = torch.float32 if TINY else torch.bfloat16  # the interpreter's bf16 dots
 PREFILL = [(LAYER, DTYPE, T, context) for T, context in ((8192, 8192), (8192, 32768),
                                                          (32768, 32768))]  # fmt: skip
 PREFILL.append(((9, 3, 64), torch.float32, 2048, 2048))
+# just past the switch, where a short chunk past a long cached prefix leaves the prefill kernel
+# few tiles: its keys split (the default) and not, and the decode kernel
+PREFILL += [(LAYER, DTYPE, T, context) for T, context in ((256, 32768), (512, 4096))]
+DECODE_KERNEL_MAX = 512  # query tokens up to which the decode kernel is timed beside it
 TILES = [PrefillTiles(*t) for t in ((128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 2),
                                     (128, 128, 8, 2), (128, 32, 4, 3))]  # fmt: skip
 DECODE = [(B, c, T) for B in (1, 8) for c in (8192, 32768, 131072) for T in (1, 6)]
 CHECKS = [(32, 8, 128, 1000, 3000), (8, 1, 64, 300, 1000), (4, 4, 64, 129, 500)]
 if TINY:
     PREFILL, TILES = [(LAYER, DTYPE, 160, 160), (LAYER, DTYPE, 160, 320)], TILES[:2]
+    DECODE_KERNEL_MAX = 160
     DECODE, CHECKS = [(1, 512, 1), (2, 1024, 6)], [(4, 2, 32, 140, 300)]
 # nominal HBM bandwidth, GB/s, by a part of the device's name
 NOMINAL_GBS = {"H100 PCIe": 2000, "H100 NVL": 3900, "H100": 3350, "H200": 4800, "A100": 2039}
@@ -148,6 +155,9 @@ def measure_prefill(rows: list[dict]) -> None:
         tflop = causal_tflop(T, context, layer[0], layer[2])
         paths = {"kernel": partial(paged_prefill, q, pool, batch),
                  "gather": partial(gather_folded, q, pool, batch)}  # fmt: skip
+        if T <= DECODE_KERNEL_MAX:  # the kernel's keys unsplit, and the decode kernel
+            paths["unsplit"] = partial(paged_prefill, q, pool, batch, num_splits=1)
+            paths["decode_kernel"] = partial(paged_attention, q, pool, batch)
         row = {"layer": layer, "dtype": str(dtype), "tokens": T, "context": context}
         for name, fn in paths.items():
             try:
@@ -213,10 +223,11 @@ def print_tables(result: dict) -> None:
         worst = max(r["max_abs_error"] for r in result["check"] if r["dtype"] == dtype)
         print(f"check {dtype}: max abs error {worst:.2e}")
     columns = ["dtype", "tokens", "context", "kernel_ms", "kernel_tflops", "kernel_peak_gb",
-               "gather_ms", "gather_tflops", "gather_peak_gb", "speedup"]  # fmt: skip
+               "gather_ms", "gather_tflops", "gather_peak_gb", "speedup",
+               "unsplit_ms", "decode_kernel_ms"]  # fmt: skip
     print(" ".join(f"{c:>14}" for c in columns))
     for r in result["prefill"]:
-        print(" ".join(f"{r[c]!s:>14}" for c in columns))
+        print(" ".join(f"{r.get(c)!s:>14}" for c in columns))
     print(f"{'batch':>5} {'context':>7} {'T':>2} {'splits':>6} {'ms':>8} {'GB/s':>7} {'card':>5}")
     for r in result["decode"]:
         mark = "*" if r["default"] else " "

@@ -70,6 +70,19 @@ def test_prefill_past_prefix_cached_blocks():
     torch.testing.assert_close(paged_prefill(q, pool, batch), reference(q, pool, batch))
 
 
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_prefill_split_keys_equal_no_split(num_splits):
+    """A chunk of 140 tokens past contexts of up to 480: each tile's keys over several
+    programs (some empty for the first tiles), merged by their log-sum-exp, give the unsplit
+    output, which is the reference's."""
+    g = torch.Generator().manual_seed(num_splits)
+    q, pool, batch = random_batch(g, 2, 140, 8, 2, 64, 16, max_blocks=40)
+    whole = paged_prefill(q, pool, batch, num_splits=1)
+    torch.testing.assert_close(whole, reference(q, pool, batch))
+    split = paged_prefill(q, pool, batch, num_splits=num_splits)
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
+
+
 def test_prefill_rows_read_only_their_keys():
     """Poisoning every key past each row's last query token, and every block no table names,
     changes nothing: the causal tiles never read them."""
