@@ -25,7 +25,6 @@ from workers.layers.kv_cache import ForwardBatch
 from workers.layers.paged_attention import MIN_SPLIT_KEYS, _combine_splits_kernel, default_splits
 
 LOG2_E = 1.4426950408889634
-LN_2 = 0.6931471805599453
 
 
 class PrefillTiles(NamedTuple):
@@ -124,7 +123,7 @@ def _paged_prefill_kernel(
     acc = acc * v_scale
     if SPLIT:  # an unnormalised partial (its max in natural units), as paged_attention.py's
         at = (bh * tl.num_programs(2) + split) * num_rows + r
-        tl.store(m_ptr + at, m_i * LN_2)
+        tl.store(m_ptr + at, m_i * 0.6931471805599453)  # x ln 2 (jit code reads no globals)
         tl.store(l_ptr + at, l_i)
         tl.store(out_ptr + at[:, None] * D_P2 + d[None, :], acc)
     else:
