@@ -185,3 +185,26 @@ def test_peak_step_profile_gathers_no_context_with_the_kernels(tiny_dir, monkeyp
     monkeypatch.setattr(workers.layers.attention, "read_kv", lambda *a: gathered.append(a))
     memory_profile.run_peak_steps(runner, runner.kv.cache_len)
     assert set(prefill_rows) == {(1, 256)} and not gathered
+
+
+def test_kernels_compile_for_an_h100():
+    """The kernels compiled for sm_90 (pip's Triton ships ptxas; no GPU needed), in a process
+    without the interpreter: what only the compiler refuses fails here, and every kernel's
+    shared memory fits the H100's 227 KiB a block."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("compile_for_hopper.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    shared = {
+        line.rsplit(" ", 1)[0]: int(line.rsplit(" ", 1)[1])
+        for line in done.stdout.split("\n")
+        if line
+    }
+    assert set(shared) == {"prefill bf16", "prefill fp8 split", "decode tree split", "combine"}
+    assert max(shared.values()) <= 227 * 1024
