@@ -220,10 +220,13 @@ def test_derived_slots_are_profiled_then_capped_by_the_pool(tiny_dir, monkeypatc
 
 def test_peak_prefills_cover_many_short_rows_and_the_longest_gathers():
     """The budget over every slot (the paged kernel's rows when slots are many), and over as
-    many rows as each gather their context (more than 128 tokens a row)."""
-    assert memory_profile.peak_prefill_rows(256, 4096) == [31, 256]
-    assert memory_profile.peak_prefill_rows(8, 4096) == [8]
-    assert memory_profile.peak_prefill_rows(4, 64) == [1, 4]
+    many rows as each gather their context (more than 128 tokens a row) where long rows gather;
+    with the prefill kernel, over one row."""
+    assert memory_profile.peak_prefill_rows(256, 4096, True) == [31, 256]
+    assert memory_profile.peak_prefill_rows(8, 4096, True) == [8]
+    assert memory_profile.peak_prefill_rows(4, 64, True) == [1, 4]
+    assert memory_profile.peak_prefill_rows(256, 4096, False) == [1, 256]
+    assert memory_profile.peak_prefill_rows(8, 4096, False) == [1, 8]
 
 
 @pytest.mark.parametrize(
@@ -258,7 +261,7 @@ def test_peak_steps_run_the_largest_shapes(
 
     runner.kv.batch = recording
     memory_profile.run_peak_steps(runner, runner.kv.cache_len)
-    for num_rows in memory_profile.peak_prefill_rows(slots, budget):
+    for num_rows in memory_profile.peak_prefill_rows(slots, budget, gathers_long_rows=True):
         length = min(budget // num_rows, max_len - 1)  # read up to max_model_len
         assert (num_rows, length, max_len) in shapes
     assert (slots, runner.T, runner.kv.cache_len) in shapes  # the verify pass of every slot

@@ -7,11 +7,9 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's decorators run
 pytest.importorskip("triton")
-DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
 
 from conftest import (  # noqa: E402
     replay_graphs_on_cpu,
@@ -19,47 +17,19 @@ from conftest import (  # noqa: E402
     tiny_engine,
     tiny_prompts,
 )
+from paged_batches import DEVICE, random_batch, reference  # noqa: E402
 
 import workers.cuda_graphs  # noqa: E402
 import workers.layers.attention  # noqa: E402
 import workers.layers.paged_attention  # noqa: E402
+import workers.layers.paged_prefill  # noqa: E402
 from speculative.config import SamplingParams  # noqa: E402
 from speculative.draft_tree import tree_layout  # noqa: E402
 from workers.layers import attention_backend  # noqa: E402
-from workers.layers.attention import hidden_keys  # noqa: E402
 from workers.layers.fp8 import FP8, to_fp8  # noqa: E402
-from workers.layers.kv_cache import ForwardBatch, read_kv  # noqa: E402
+from workers.layers.kv_cache import read_kv  # noqa: E402
 from workers.layers.paged_attention import paged_attention  # noqa: E402
-
-
-def reference(q: torch.Tensor, pool: torch.Tensor, batch: ForwardBatch, scale=(1.0, 1.0)):
-    kv = read_kv(pool, batch, scale, q.dtype)  # [2, B, KV, S, D]
-    hidden = hidden_keys(batch)
-    bias = torch.zeros(hidden.shape, device=q.device).masked_fill_(hidden, float("-inf"))
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), kv[0], kv[1], attn_mask=bias.unsqueeze(1), enable_gqa=True
-    )
-    return out.transpose(1, 2)
-
-
-def random_batch(g, B, T, heads, kv_heads, D, block_size, tree=None, max_blocks=6):
-    """Rows at random lengths over randomly scattered blocks of a shared pool; T query tokens
-    a row, at the row's last T positions (causal within the row)."""
-    num_blocks = B * max_blocks + 3
-    pool = torch.randn(2, num_blocks + 1, block_size, kv_heads, D, generator=g)
-    table = torch.randperm(num_blocks, generator=g)[: B * max_blocks].view(B, max_blocks)
-    lens = torch.randint(T, max_blocks * block_size - T + 1, (B,), generator=g)
-    base = lens - T  # [B] position of each row's first query token
-    columns = torch.arange(T)
-    positions = base.unsqueeze(1) + (columns if tree is None else tree[0])
-    write_positions = base.unsqueeze(1) + columns
-    kv_len = max_blocks * block_size
-    tree_mask = None if tree is None else tree[1].to(DEVICE)
-    batch = ForwardBatch(*(x.to(DEVICE) for x in (
-        torch.arange(B), positions, write_positions, write_positions, write_positions, table
-    )), kv_len, tree_mask)  # fmt: skip
-    q = torch.randn(B, T, heads, D, generator=g)
-    return q.to(DEVICE), pool.to(DEVICE), batch
+from workers.layers.paged_prefill import paged_prefill  # noqa: E402
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (9, 3), (8, 1)])
@@ -146,10 +116,11 @@ def test_fp8_kv_cache_in_the_engine_kernel_gives_the_gather_paths_tokens(
     tmp_path, tiny_dir, tiny_drafter_dir, monkeypatch
 ):
     """kv_cache_dtype fp8 with a checkpoint's per-layer K and V scales: the engine's greedy
-    tokens with every attention run by the kernel (prefill, verify, drafts) are the gather
-    path's."""
+    tokens with every attention run by the kernels (prefill past 8 tokens by the prefill
+    kernel; verify, drafts) are the gather path's."""
     from tiny_fp8 import write_fp8
 
+    monkeypatch.setattr(attention_backend, "KERNEL_MAX_QUERY", 8)
     target = write_fp8(tiny_dir, tmp_path / "kv-scales", None, kv_scales=True)
     prompts = tiny_prompts(2, seed=12, min_len=20, max_len=30)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -169,21 +140,28 @@ def test_fp8_kv_cache_in_the_engine_kernel_gives_the_gather_paths_tokens(
 def test_engine_with_the_kernel_gives_the_reference_paths_tokens(
     tiny_dir, tiny_drafter_dir, monkeypatch, drafter, tree
 ):
-    """The engine with every attention (target and drafter; prefill chunks, verify, draft
-    chain or tree) run by the kernel: the tokens of the gather-and-SDPA path, with requests
-    joining mid-flight, a shared prefix from the prefix cache and prompts in chunks."""
+    """The engine with every attention (target and drafter; prefill chunks past 16 tokens by
+    the prefill kernel, verify, draft chain or tree) run by the kernels: the tokens of the
+    gather-and-SDPA path, with requests joining mid-flight, a shared prefix from the prefix
+    cache and prompts in chunks."""
     shared = tiny_prompts(1, seed=5, min_len=40, max_len=40)[0]
     prompts = [shared + p for p in tiny_prompts(4, seed=6)]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     options = dict(k=3, max_num_batched_tokens=64, draft_siblings=2 if tree else 0)
     drafter_dir = tiny_drafter_dir if drafter else "none"
-    calls = []
+    calls, prefill_starts = [], []
 
     def counted(*args, **kwargs):
         calls.append(args[2].tree is not None)
         return paged_attention(*args, **kwargs)
 
+    def counted_prefill(q, pool, batch, *args):
+        prefill_starts.extend(batch.positions[:, 0].tolist())
+        return paged_prefill(q, pool, batch, *args)
+
     monkeypatch.setattr(workers.layers.paged_attention, "paged_attention", counted)
+    monkeypatch.setattr(workers.layers.paged_prefill, "paged_prefill", counted_prefill)
+    monkeypatch.setattr(attention_backend, "KERNEL_MAX_QUERY", 16)
     outputs = []
     for kernel in (False, True):
         monkeypatch.setattr(
@@ -195,29 +173,35 @@ def test_engine_with_the_kernel_gives_the_reference_paths_tokens(
     assert outputs[0] == outputs[1]
     assert engine.scheduler.kv.manager.stats.num_hit_tokens >= 32
     assert len(calls) > 100 and any(calls) == tree
+    assert max(prefill_starts) >= 32  # chunks past a cached prefix or an earlier chunk
 
 
 def test_engine_picks_the_kernel_by_query_length(tiny_dir, tiny_drafter_dir, monkeypatch):
-    """The GPU's policy: the kernel for rows of up to KERNEL_MAX_QUERY tokens (verify, draft
-    steps, short chunks), the gather past it (long prefill chunks). Mixed in one run, they
-    give the gather path's tokens."""
-    # a prefill bucket boundary: a padded graph bucket and its eager steps take the same path
+    """The GPU's policy: the decode kernel for rows of up to KERNEL_MAX_QUERY tokens (verify,
+    draft steps, short chunks), the prefill kernel past it (the prompts' chunks), nothing
+    gathered. Mixed in one run, they give the gather path's tokens."""
+    # a prefill bucket boundary: a padded graph bucket and its eager steps take the same kernel
     assert attention_backend.KERNEL_MAX_QUERY in workers.cuda_graphs.kv_buckets(8192, 16)
     prompts = tiny_prompts(4, seed=9, min_len=40, max_len=60)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3)
     reference_ids = [r.output_ids for r in run_to_completion(engine, prompts, params, [0, 0, 3, 3])]
-    kernel_rows, gather_rows = [], []
+    kernel_rows, prefill_rows, gather_rows = [], [], []
 
     def counted(q, *args, **kwargs):
         kernel_rows.append(q.shape[1])
         return paged_attention(q, *args, **kwargs)
+
+    def counted_prefill(q, *args, **kwargs):
+        prefill_rows.append(q.shape[1])
+        return paged_prefill(q, *args, **kwargs)
 
     def counted_gather(cache, batch, *scale_and_dtype):
         gather_rows.append(batch.positions.shape[1])
         return read_kv(cache, batch, *scale_and_dtype)
 
     monkeypatch.setattr(workers.layers.paged_attention, "paged_attention", counted)
+    monkeypatch.setattr(workers.layers.paged_prefill, "paged_prefill", counted_prefill)
     monkeypatch.setattr(workers.layers.attention, "read_kv", counted_gather)
     monkeypatch.setattr(attention_backend, "paged_kernel_available", lambda device: True)
     monkeypatch.setattr(attention_backend, "KERNEL_MAX_QUERY", 16)
@@ -225,14 +209,16 @@ def test_engine_picks_the_kernel_by_query_length(tiny_dir, tiny_drafter_dir, mon
     requests = run_to_completion(engine, prompts, params, [0, 0, 3, 3])
     assert [r.output_ids for r in requests] == reference_ids
     assert kernel_rows and max(kernel_rows) <= 16 and 4 in kernel_rows  # verify: 1 + K
-    assert gather_rows and min(gather_rows) > 16  # the prompts' prefills
+    assert prefill_rows and min(prefill_rows) > 16  # the prompts' prefills
+    assert not gather_rows
 
 
 def test_graphs_bucket_by_batch_only_with_the_kernel(tiny_dir, tiny_drafter_dir, monkeypatch):
     """With the kernel, a step's graphs are captured once per batch size at the cache's whole
     length (the kernel reads each row's own keys), and a short prefill past a long cached prefix
     replays its own length's prefill graph. Replayed (eagerly on CPU, by the real StepGraphs),
-    they give the gather path's tokens."""
+    they give the gather path's tokens. Rows past 32 tokens gather (EAGLESERVE_PAGED_PREFILL=0):
+    the interpreter would run the prefill kernel in every prefill graph's capture."""
     prefix = tiny_prompts(1, seed=7, min_len=320, max_len=320)[0]  # 20 blocks
     prompts = [prefix + p for p in tiny_prompts(4, seed=8, min_len=3, max_len=8)]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -241,6 +227,7 @@ def test_graphs_bucket_by_batch_only_with_the_kernel(tiny_dir, tiny_drafter_dir,
     reference_ids = [r.output_ids for r in run_to_completion(engine, prompts, params, schedule)]
     monkeypatch.setattr(attention_backend, "paged_kernel_available", lambda device: True)
     monkeypatch.setattr(attention_backend, "KERNEL_MAX_QUERY", 32)
+    monkeypatch.setenv("EAGLESERVE_PAGED_PREFILL", "0")
     engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, max_model_len=512)
     runner = engine.executor
     replay_graphs_on_cpu(runner)

@@ -139,11 +139,14 @@ def measure_gpu(runner, cache_len: int, num_slots: int, at_start: tuple[int, int
     return GpuMemory(total, free_at_start, engine, peak_step, graphs)
 
 
-def peak_prefill_rows(num_slots: int, budget: int) -> list[int]:
-    """How many rows the profiled prefills split the budget into, fewest first: as many rows as
-    each hold more than the paged kernel's query rows, which gather every block of their context
-    (attention_backend), where those are fewer than the slots; then every slot, its share each."""
-    long_rows = max(1, min(num_slots, budget // (attention_backend.KERNEL_MAX_QUERY + 1)))
+def peak_prefill_rows(num_slots: int, budget: int, gathers_long_rows: bool) -> list[int]:
+    """How many rows the profiled prefills split the budget into, fewest first: one row (a chunk
+    of one long prompt), or where rows longer than the paged kernel's query rows gather every
+    block of their context (gathers_long_rows: attention_backend), as many rows as each hold
+    more than those, where those are fewer than the slots; then every slot, its share each."""
+    long_rows = 1
+    if gathers_long_rows:
+        long_rows = max(1, min(num_slots, budget // (attention_backend.KERNEL_MAX_QUERY + 1)))
     return sorted({long_rows, num_slots})
 
 
@@ -156,7 +159,9 @@ def run_peak_steps(runner, cache_len: int) -> None:
     budget = runner.cfg.max_num_batched_tokens
     stops = dict(stops_from=1 << 40, stop_ids=[0] * MAX_STOP_IDS)
     taken = []  # the slots the last plan's prefills hold: the next plan frees them first
-    for step, num_rows in enumerate(peak_prefill_rows(num_slots, budget)):
+    # with the prefill kernel no step copies a context: the peak is the activations'
+    gathers = not attention_backend.use_paged_kernel(runner.device, budget)
+    for step, num_rows in enumerate(peak_prefill_rows(num_slots, budget, gathers)):
         length = max(1, min(budget // num_rows, max_len - 1))
         prefills = [
             PrefillRow(slot, [0] * length, slot, HEAVIEST, start=max_len - length, **stops)

@@ -76,6 +76,18 @@ def attention_inputs(
     return AttentionInputs(cos, sin, bias, gqa)
 
 
+def paged_kernel(q: torch.Tensor, pool: torch.Tensor, batch: ForwardBatch, kv_scale):
+    """The Triton kernel for a row of q's length; draft trees always take paged_attention.py's
+    (imported here: Triton only where it runs)."""
+    if batch.tree is None and q.shape[1] > attention_backend.KERNEL_MAX_QUERY:
+        from workers.layers.paged_prefill import paged_prefill
+
+        return paged_prefill(q, pool, batch, kv_scale)
+    from workers.layers.paged_attention import paged_attention
+
+    return paged_attention(q, pool, batch, kv_scale=kv_scale)
+
+
 class CachedAttention(nn.Module):
     """Attention over the KV cache. Family options: `qkv_bias` (Qwen2's biased q, k and v
     projections), `qk_norm_eps` (Qwen3's RMSNorm over each query and key head before RoPE)."""
@@ -135,10 +147,8 @@ class CachedAttention(nn.Module):
         qk, v = self.rotated_qkv(x, inputs.cos, inputs.sin)
         write_kv(self.cache, batch, qk[:, :, H:], v, self.kv_scale)
         if attention_backend.use_paged_kernel(x.device, T):
-            from workers.layers.paged_attention import paged_attention
-
-            out = paged_attention(qk[:, :, :H], self.cache, batch, kv_scale=self.kv_scale)
-            return self.o_proj(out.reshape(B, T, H * D))  # out: [B, T, H, D]
+            out = paged_kernel(qk[:, :, :H], self.cache, batch, self.kv_scale)  # [B, T, H, D]
+            return self.o_proj(out.reshape(B, T, H * D))
         kv = read_kv(self.cache, batch, self.kv_scale, x.dtype)  # [2, B, KV, S, D]
         if inputs.gqa:
             out = F.scaled_dot_product_attention(

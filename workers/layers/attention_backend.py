@@ -1,6 +1,7 @@
-"""Which attention kernel runs a shape: the Triton paged kernel (workers/layers/paged_attention.py)
-for short query rows on CUDA, otherwise the gather + SDPA of workers/layers/attention.py, with
-cuDNN's GQA kernel where it is faster than folding the query heads. Callers read these through
+"""Which attention kernel runs a shape: on CUDA the Triton kernels over the paged pool
+(workers/layers/paged_attention.py for short query rows, paged_prefill.py for longer ones),
+otherwise the gather + SDPA of workers/layers/attention.py, with cuDNN's GQA kernel where it is
+faster than folding the query heads. Callers read these through
 the module (`attention_backend.use_paged_kernel(...)`), so one switch turns a path on or off."""
 
 import functools
@@ -8,11 +9,11 @@ import os
 
 import torch
 
-# query tokens a row up to which the paged kernel runs (decode, verify, draft steps and short
-# prefill chunks); past it the gather + SDPA runs, as flash attention over the gathered blocks
-# wins on long query rows (at 512 the kernel took 1.25x the gather's time on an H100:
-# benchmarks/results/2026-12-06-h100/). A graph bucket boundary, so a padded bucket and the eager
-# step it stands for take the same path
+# query tokens a row up to which paged_attention.py's kernel runs (decode, verify, draft steps
+# and short prefill chunks); past it paged_prefill.py's flash-attention tiles run, as the decode
+# kernel's small query tiles lose to flash attention on long rows (at 512 it took 1.25x the
+# gather's time on an H100: benchmarks/results/2026-12-06-h100/). A graph bucket boundary, so a
+# padded bucket and the eager step it stands for take the same kernel
 KERNEL_MAX_QUERY = 128
 
 
@@ -29,9 +30,12 @@ def paged_kernel_available(device: torch.device) -> bool:
 
 
 def use_paged_kernel(device: torch.device, query_len: int) -> bool:
-    """The Triton kernel over the block table (workers/layers/paged_attention.py) for rows of up to
-    KERNEL_MAX_QUERY tokens; otherwise the reference: gather the blocks, then SDPA."""
-    return query_len <= KERNEL_MAX_QUERY and paged_kernel_available(device)
+    """A Triton kernel over the block table: paged_attention.py's for rows of up to
+    KERNEL_MAX_QUERY tokens, paged_prefill.py's past it (unless EAGLESERVE_PAGED_PREFILL=0, for
+    A/B: those gather); otherwise the reference: gather the blocks, then SDPA."""
+    if not paged_kernel_available(device):
+        return False
+    return query_len <= KERNEL_MAX_QUERY or os.environ.get("EAGLESERVE_PAGED_PREFILL") != "0"
 
 
 @functools.cache

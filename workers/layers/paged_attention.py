@@ -135,14 +135,28 @@ def _combine_splits_kernel(
     tl.store(out_ptr + o_at, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+def query_tiles(T: int, group: int) -> tuple[int, int]:
+    """(query rows a tile, tiles a row and KV head) for T tokens of a GQA group's heads."""
+    rows = T * group
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    return block_m, triton.cdiv(rows, block_m)
+
+
+def split_count(programs: int, kv_len: int, sms: int) -> int:
+    """Splits of each row's keys for about two programs per SM, given `programs` (rows x KV
+    heads x query tiles) and sms SMs, each split of at least MIN_SPLIT_KEYS of kv_len keys; one
+    where the rows and heads fill the GPU already. kv_len is the block table's (a graph's is
+    the cache's whole length): a shorter row spreads over as many splits as MIN_SPLIT_KEYS
+    allows, and the rest pass empty partials to the combine."""
+    wanted = triton.cdiv(2 * sms, programs)
+    return max(1, min(wanted, kv_len // MIN_SPLIT_KEYS))
+
+
 def default_splits(programs: int, kv_len: int, device: torch.device) -> int:
-    """Enough splits of the keys for about two programs per SM, each of at least
-    MIN_SPLIT_KEYS of kv_len keys; one where the rows and heads fill the GPU already (and on
-    CPU). A row shorter than kv_len spreads over its splits as far as MIN_SPLIT_KEYS allows."""
+    """split_count on this GPU; one on CPU."""
     if device.type != "cuda":
         return 1
-    wanted = triton.cdiv(2 * num_sms(device), programs)
-    return max(1, min(wanted, kv_len // MIN_SPLIT_KEYS))
+    return split_count(programs, kv_len, num_sms(device))
 
 
 def paged_attention(
@@ -161,9 +175,7 @@ def paged_attention(
     kv_heads, block_size = k_pool.shape[2], k_pool.shape[1]
     assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1 and q.stride(-1) == 1
     group = H // kv_heads
-    rows = T * group
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    m_tiles = triton.cdiv(rows, block_m)
+    block_m, m_tiles = query_tiles(T, group)
     d_p2 = max(16, triton.next_power_of_2(D))
     if num_splits is None:
         num_splits = default_splits(B * kv_heads * m_tiles, batch.kv_len, q.device)
