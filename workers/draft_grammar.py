@@ -67,7 +67,9 @@ class DraftGrammars:
             from workers.models.loader import load_tokenizer
 
             self.infos[stop_ids] = xgr.TokenizerInfo.from_huggingface(
-                load_tokenizer(self.model_dir), self.vocab_size, stop_token_ids=list(stop_ids)
+                load_tokenizer(self.model_dir),
+                vocab_size=self.vocab_size,
+                stop_token_ids=list(stop_ids),
             )
         return self.infos[stop_ids]
 

@@ -50,6 +50,9 @@ def allow_host_sync():
     """Inside a guarded step, the one place that must sync (workers/draft_grammar.py: drafts that
     follow a grammar, in steps with constrained rows only) does so here."""
     patched = {name: getattr(torch.Tensor, name) for name in _PATCHED}
+    if patched == _ORIGINAL:  # not inside a guarded step
+        yield
+        return
     for name, method in _ORIGINAL.items():
         setattr(torch.Tensor, name, method)
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
