@@ -116,7 +116,8 @@ class StepGrammars:
             m.fill_next_token_bitmask(filled, i)
             forced[i] = _forced(m, masks[i])
         dev = self.grammars.device
-        out = filled.to(dev), torch.from_numpy(forced).to(dev)
+        with allow_host_sync():  # copies from pageable host memory
+            out = filled.to(dev), torch.from_numpy(forced).to(dev)
         self.grammars.host_s += time.perf_counter() - began
         return out
 
