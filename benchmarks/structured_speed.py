@@ -1,14 +1,18 @@
-"""Tokens/s and acceptance of json_schema requests against unconstrained ones, with and without
-speculation (EAGLE-3, K=5), side by side in one process (SmolLM2-135M, greedy, the overlapped
-loop): a batch of unconstrained requests, a batch of constrained ones, and a mixed batch (half
-each), whose two halves are timed apart to show what constrained requests cost the others. Also
-the host time spent on grammars (masks along the drafts, following the output). On a CPU (fp32)
-it writes benchmarks/structured_speed_cpu.json; on a GPU (--device cuda, bf16, CUDA graphs) give
-the GGUF and the drafter by path, and --rounds to keep each mix's median round:
+"""Tokens/s and tokens per step of structured outputs (json_schema, forced tool calls) against free
+text on the same prompts, plain against speculative (EAGLE-3, K=5), side by side in one process
+(SmolLM2-135M, greedy, the overlapped loop), one request at a time and in batches (--batch 1,8;
+on a GPU 1,8,32). Speculative runs twice: with drafts that follow the grammar
+(workers/draft_grammar.py) and with free drafts (that module off, as before it), so the gain of
+each is read beside the other. A mixed batch (json_schema and free halves) times its halves apart.
+Also the host time of grammars: the engine's masks along the drafts, and the ranks' draft masks
+per step with constrained rows (waits for the drafts included). On a CPU (fp32) it writes
+benchmarks/structured_speed_cpu.json; on a GPU (--device cuda, bf16, CUDA graphs) give the GGUF
+and the drafter by path, and --rounds to keep each run's median round:
 
-    python benchmarks/structured_speed.py [--batch 8] [--max-tokens 64] [--threads 1]
+    python benchmarks/structured_speed.py [--batch 1,8] [--max-tokens 64] [--threads 1]
     python3 benchmarks/structured_speed.py --device cuda --model SmolLM2-135M-Instruct.Q4_1.gguf \
-        --drafter speculative/drafters/smollm2-135m --max-tokens 128 --rounds 3 --out $OUT/s.json
+        --drafter speculative/drafters/smollm2-135m --batch 1,8,32 --max-tokens 128 --rounds 3 \
+        --out $OUT/s.json
 """
 
 import argparse
@@ -27,6 +31,20 @@ PERSON = {
     },
     "required": ["name", "age", "city", "hobbies"],
 }
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
 QUESTIONS = [
     "Describe a person who lives in Paris.",
     "Invent a character for a novel.",
@@ -37,6 +55,18 @@ QUESTIONS = [
     "Describe a student in Tokyo.",
     "Tell me about a musician.",
 ]
+TOOL_QUESTIONS = [
+    "What is the weather in Paris?",
+    "Is it cold in Oslo today?",
+    "Will it rain in London?",
+    "How warm is it in Cairo, in fahrenheit?",
+    "What's the temperature in Tokyo?",
+    "Do I need a coat in Chicago?",
+    "Weather in Lisbon please.",
+    "Is it sunny in Sydney?",
+]
+# (label, drafter, drafts follow the grammar)
+VARIANTS = (("plain", False, False), ("free_drafts", True, False), ("spec", True, True))
 
 
 def timed_grammar_host(scheduler) -> dict:
@@ -57,10 +87,9 @@ def timed_grammar_host(scheduler) -> dict:
 
 def run_batch(engine, prompts, params, host) -> dict:
     """All requests at once; per group (constrained, free): tokens/s over the time until the
-    group's last request finished, and each request's own tokens/s (its tokens over its time to
-    finish), averaged: what a client sees, comparable between batches of different mixes."""
-    stats = engine.scheduler.stats
-    before = (stats.num_verify_rows, stats.num_draft_accepted, host["s"])
+    group's last request finished, each request's own tokens/s (its tokens over its time to
+    finish) averaged, what a client sees, and tokens per verify step (1 + accepted drafts)."""
+    before = (host["s"], *draft_host(engine))
     requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     start, done_at = time.perf_counter(), {}
     while engine.has_work:
@@ -68,30 +97,33 @@ def run_batch(engine, prompts, params, host) -> dict:
         for r in requests:
             if r.is_finished and r.request_id not in done_at:
                 done_at[r.request_id] = time.perf_counter() - start
-    wall = time.perf_counter() - start
-    out = {"wall_s": wall, "grammar_host_s": host["s"] - before[2]}
+    draft_s, num_steps = (now - then for now, then in zip(draft_host(engine), before[1:]))
+    out = {
+        "wall_s": time.perf_counter() - start,
+        "grammar_host_s": host["s"] - before[0],
+        "draft_steps": num_steps,
+        "draft_host_ms_per_step": 1e3 * draft_s / max(num_steps, 1),
+    }
     for kind in ("constrained", "free"):
         group = [
             r for r in requests if (r.params.structured is not None) == (kind == "constrained")
         ]
         if group:
-            tokens = sum(len(r.output_ids) for r in group)
-            last = max(done_at[r.request_id] for r in group)
             own = [len(r.output_ids) / done_at[r.request_id] for r in group]
             out[kind] = {
                 "requests": len(group),
-                "tokens": tokens,
-                "tokens_per_s": tokens / last,
+                "tokens": sum(len(r.output_ids) for r in group),
+                "tokens_per_s": sum(len(r.output_ids) for r in group)
+                / max(done_at[r.request_id] for r in group),
                 "request_tokens_per_s": sum(own) / len(own),
+                "tokens_per_step": sum(r.acceptance_length for r in group) / len(group),
             }
-    rows = stats.num_verify_rows - before[0]
-    out["acceptance_length"] = 1 + (stats.num_draft_accepted - before[1]) / max(rows, 1)
     return out
 
 
 def parse_args():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", default="1,8", help="batch sizes, comma-separated")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--model", default="smollm2-135m")
@@ -105,6 +137,7 @@ def parse_args():
     ap.add_argument("--out", default="benchmarks/structured_speed_cpu.json")
     args = ap.parse_args()
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "auto")
+    args.batches = [int(b) for b in args.batch.split(",")]
     return args
 
 
@@ -115,62 +148,117 @@ def median_round(engine, prompts, params, host, rounds: int) -> dict:
     return runs[len(runs) // 2] | {"rounds_wall_s": [r["wall_s"] for r in runs]}
 
 
+def mixes(tokenizer, batch: int, max_tokens: int) -> dict:
+    """Each mix's prompts and parameters at this batch: free text and json_schema on the same
+    prompts, forced tool calls, and (batch 2 or more) json_schema and free halves."""
+    from speculative.config import SamplingParams, StructuredSpec
+    from speculative.engine.llm_engine import encode_prompt
+    from speculative.grammar import tool_call_schema
+
+    def encoded(questions):
+        return [encode_prompt(tokenizer, questions[i % len(questions)]) for i in range(batch)]
+
+    schema = StructuredSpec(kind="json", spec=json.dumps(PERSON))
+    tools = StructuredSpec(kind="json", spec=json.dumps(tool_call_schema([WEATHER], "required")))
+    free, person = SamplingParams(max_tokens=max_tokens), encoded(QUESTIONS)
+    out = {
+        "free": (person, [free] * batch),
+        "json_schema": (person, [free.model_copy(update={"structured": schema})] * batch),
+        "tool_call": (
+            encoded(TOOL_QUESTIONS),
+            [free.model_copy(update={"structured": tools})] * batch,
+        ),
+    }
+    if batch >= 2:
+        out["mixed"] = (person, [out["json_schema"][1][0], free] * (batch // 2))
+    return out
+
+
 def main() -> None:
     import torch
 
-    from speculative.config import EngineConfig, SamplingParams, StructuredSpec
-    from speculative.engine.llm_engine import LLMEngine, encode_prompt
+    from speculative.config import EngineConfig
 
     args = parse_args()
     torch.set_num_threads(args.threads)
-    spec = StructuredSpec(kind="json", spec=json.dumps(PERSON))
-    free = SamplingParams(max_tokens=args.max_tokens)
-    constrained = SamplingParams(max_tokens=args.max_tokens, structured=spec)
-    mixes = {
-        "free": [free] * args.batch,
-        "json_schema": [constrained] * args.batch,
-        "mixed": [constrained, free] * (args.batch // 2),
-    }
-    results = {"batch": args.batch, "max_tokens": args.max_tokens, "threads": args.threads,
+    results = {"batches": args.batches, "max_tokens": args.max_tokens, "threads": args.threads,
                "model": os.path.basename(args.model), "drafter": args.drafter, "k": args.k,
                "device": args.device, "dtype": args.dtype, "rounds": args.rounds}  # fmt: skip
-    for drafter, label in (("none", "none"), (args.drafter, "default")):
-        cfg = EngineConfig(
-            model=args.model, drafter=drafter, num_draft_tokens=args.k,
-            max_batch_size=args.batch, max_model_len=512, device=args.device, dtype=args.dtype,
-            kv_cache_memory_gb=args.kv_cache_gb,
-        )  # fmt: skip
-        engine = LLMEngine(cfg)
+    for drafter in ("none", args.drafter):
+        engine = new_engine(EngineConfig, args, drafter)
         host = timed_grammar_host(engine.scheduler)
-        prompts = [encode_prompt(engine.tokenizer, QUESTIONS[i % 8]) for i in range(args.batch)]
-        run_batch(engine, prompts[:2], mixes["mixed"][:2], host)  # warm-up (and the compile)
-        for name, params in mixes.items():
-            key = f"{name}/{label}"
-            results[key] = median_round(engine, prompts, params, host, args.rounds)
-        del engine, host
+        following = engine.executor.draft_grammars
+        for batch in args.batches:
+            for name, (prompts, params) in mixes(engine.tokenizer, batch, args.max_tokens).items():
+                for label, speculative, follows in VARIANTS:
+                    if speculative != (drafter != "none"):
+                        continue
+                    engine.executor.draft_grammars = following if follows else None
+                    key = f"{batch}/{name}/{label}"
+                    results[key] = median_round(engine, prompts, params, host, args.rounds)
+        del engine, host, following
         gc.collect()  # its memory back before the next engine sizes its KV pool from what is free
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     print_table(results)
+    print_goals(results)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
 
 
+def new_engine(EngineConfig, args, drafter: str):
+    """An engine for every batch size, warmed up (and the grammars compiled) by a first run."""
+    from speculative.engine.llm_engine import LLMEngine
+
+    cfg = EngineConfig(
+        model=args.model, drafter=drafter, num_draft_tokens=args.k,
+        max_batch_size=max(args.batches), max_model_len=512, device=args.device,
+        dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_gb,
+    )  # fmt: skip
+    engine = LLMEngine(cfg)
+    warm = mixes(engine.tokenizer, 2, 8)
+    for prompts, params in (warm["mixed"], warm["tool_call"]):
+        engine.generate(prompts, params)
+    return engine
+
+
 def print_table(results: dict) -> None:
+    """Per batch, mix and group: tok/s plain, with free drafts, with drafts following the grammar
+    (ratios to plain), tokens per step of both, the draft masks' host ms per step."""
     print(
-        f"{'batch/drafter':22} {'group':12} {'tok/s':>8} {'req tok/s':>10} {'accept':>7} "
-        f"{'grammar host s':>15}"
+        f"{'batch/mix':16} {'group':11} {'plain':>7} {'free drafts':>17} {'spec':>17} "
+        f"{'tok/step free/spec':>19} {'draft host ms':>13}"
     )
-    for key, r in results.items():
-        if not isinstance(r, dict):
-            continue
+    for key in [k for k in results if k.endswith("/plain")]:
+        base = key[: -len("/plain")]
+        plain, free, spec = (results[f"{base}/{v}"] for v, _, _ in VARIANTS)
         for group in ("constrained", "free"):
-            if group in r:
-                print(
-                    f"{key:22} {group:12} {r[group]['tokens_per_s']:8.1f} "
-                    f"{r[group]['request_tokens_per_s']:10.2f} {r['acceptance_length']:7.2f} "
-                    f"{r['grammar_host_s']:15.3f}"
-                )
+            if group not in plain:
+                continue
+            p, f, s = (r[group]["tokens_per_s"] for r in (plain, free, spec))
+            steps = f"{free[group]['tokens_per_step']:.2f} / {spec[group]['tokens_per_step']:.2f}"
+            print(
+                f"{base:16} {group:11} {p:7.1f} {f:8.1f} ({f / p:4.2f}x) {s:8.1f} ({s / p:4.2f}x) "
+                f"{steps:>19} {spec['draft_host_ms_per_step']:13.2f}"
+            )
+
+
+def print_goals(results: dict) -> None:
+    """The goals of drafts that follow the grammar, per batch, speculative: constrained tokens per
+    step against free text's on the same prompts (>= 1), and tokens/s (>= 0.85 at batch 8)."""
+    for batch in results["batches"]:
+        free = results[f"{batch}/free/spec"]["free"]
+        for mix in ("json_schema", "tool_call"):
+            spec = results[f"{batch}/{mix}/spec"]["constrained"]
+            steps = spec["tokens_per_step"] / free["tokens_per_step"]
+            speed = spec["tokens_per_s"] / free["tokens_per_s"]
+            print(f"batch {batch} {mix}: tokens/step {steps:.2f}x free text's, tok/s {speed:.2f}x")
+
+
+def draft_host(engine) -> tuple[float, int]:
+    """The ranks' draft masks so far: host seconds, steps (none while they are off)."""
+    draft = engine.executor.draft_grammars
+    return (draft.host_s, draft.num_steps) if draft is not None else (0.0, 0)
 
 
 if __name__ == "__main__":

@@ -152,20 +152,30 @@ class Eagle3Drafter(nn.Module):
             hidden = self.fc(hidden)
         return self.midlayer(self.embed_tokens(ids), hidden, batch)
 
-    def propose(self, hidden: torch.Tensor, num: int = 1) -> torch.Tensor:
-        """Pre-norm output [..., H] -> the drafter's `num` likeliest tokens, likeliest first, in the
-        target vocabulary [..., num]."""
-        draft_ids = _top(self.lm_head(self.norm(hidden)), num)
+    def propose(self, hidden: torch.Tensor, num: int = 1, allowed=None) -> torch.Tensor:
+        """Pre-norm output [B, H] -> the drafter's `num` likeliest tokens, likeliest first, in the
+        target vocabulary [B, num]; with `allowed` (a grammar's packed bitmask over the target
+        vocabulary [B, W] int32) among the tokens it allows."""
+        scores = self._masked(self.lm_head(self.norm(hidden)), allowed)
+        draft_ids = _top(scores, num)
         return draft_ids + self.d2t[draft_ids]
 
     def propose_scored(
-        self, hidden: torch.Tensor, num: int = 1
+        self, hidden: torch.Tensor, num: int = 1, allowed=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-norm output [..., H] -> (`propose`'s tokens [..., num], the drafter's
+        """Pre-norm output [B, H] -> (`propose`'s tokens [B, num], the drafter's
         probabilities of them)."""
-        probs = self.lm_head(self.norm(hidden)).float().softmax(-1)
+        probs = self._masked(self.lm_head(self.norm(hidden)).float().softmax(-1), allowed)
         draft_ids = _top(probs, num)
-        return draft_ids + self.d2t[draft_ids], probs.gather(-1, draft_ids)
+        return draft_ids + self.d2t[draft_ids], probs.gather(-1, draft_ids).clamp(min=0)
+
+    def _masked(self, scores: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+        """scores [B, draft vocabulary] with the tokens `allowed` [B, W] forbids at -inf."""
+        if allowed is None:
+            return scores
+        target_ids = torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+        bits = (allowed[:, target_ids >> 5] >> (target_ids & 31).to(torch.int32)) & 1
+        return scores.masked_fill(bits == 0, float("-inf"))
 
 
 def _top(scores: torch.Tensor, num: int) -> torch.Tensor:

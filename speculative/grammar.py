@@ -143,6 +143,7 @@ class RequestGrammar:
     """One request's grammar state: follows the accepted output, fills the next step's rows."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int):
+        self.compiled = compiled  # also sent to the ranks, whose drafts follow it
         self.matcher = xgr.GrammarMatcher(compiled)
         self.width = bitmask_width(vocab_size)
 
@@ -186,6 +187,29 @@ class RequestGrammar:
             m.fill_next_token_bitmask(rows, d + 1)
         if depth:
             m.rollback(depth)
+
+
+class PortableGrammar:
+    """A compiled grammar as a step plan carries it to the ranks (workers/draft_grammar.py): the
+    object itself within a process; pickled, its JSON and what the rank's own TokenizerInfo must
+    match (xgrammar's compiled grammars do not pickle, and the tokenizer's part is 1.6 MB for
+    SmolLM2, so each rank builds that once from its own tokenizer)."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar | None, text: str = "", stop_ids=()):
+        self.compiled, self.text = compiled, text
+        info = compiled.tokenizer_info if compiled is not None else None
+        self.stop_ids = tuple(info.stop_token_ids) if info is not None else tuple(stop_ids)
+
+    def __reduce__(self):
+        text = self.text or self.compiled.serialize_json()
+        return PortableGrammar, (None, text, self.stop_ids)
+
+    def resolve(self, info_for) -> xgr.CompiledGrammar:
+        """The compiled grammar; a pickled one deserialized against info_for(stop_ids), the
+        rank's TokenizerInfo (raises xgrammar's errors where it does not match)."""
+        if self.compiled is None:
+            self.compiled = xgr.CompiledGrammar.deserialize_json(self.text, info_for(self.stop_ids))
+        return self.compiled
 
 
 def new_masks(num_rows: int, width: int, vocab_size: int) -> np.ndarray:

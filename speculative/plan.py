@@ -32,6 +32,17 @@ class PrefillRow:
 
 
 @dataclass
+class DraftGrammarRow:
+    """A constrained row whose drafts follow its grammar (workers/draft_grammar.py): the output
+    tokens the grammar follows past those that earlier plans sent, and with the first plan of a
+    slot's request the grammar (speculative.grammar.PortableGrammar)."""
+
+    slot: int
+    tokens: list[int]
+    grammar: object = None
+
+
+@dataclass
 class StepPlan:
     step_id: int
     prefills: list[PrefillRow] = field(default_factory=list)
@@ -55,6 +66,7 @@ class StepPlan:
     # [len(grammar_rows), T, ceil(V / 32)] int32, one row per verify node (speculative/grammar.py)
     grammar_rows: list[int] = field(default_factory=list)
     grammar_masks: np.ndarray | None = None
+    draft_grammars: list[DraftGrammarRow] = field(default_factory=list)
 
     @property
     def graphable(self) -> bool:

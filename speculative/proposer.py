@@ -37,6 +37,8 @@ class Proposer:
         self.drafter, self.state, self.resources, self.kv = drafter, state, resources, kv
         self.K, self.M = K, M  # chain depth, siblings per depth
         self.prompt_lookup = prompt_lookup
+        # a step's grammar constraint on the drafts (workers/draft_grammar.py), None: free
+        self.constraint = None
 
     def from_prompt(self, ids, lens, token, features, batch: ForwardBatch) -> DraftSeed:
         """After a prefill of ids [B, T] (lengths lens [B]) that chose `token` [B]: the first
@@ -50,6 +52,8 @@ class Proposer:
         self.state.record(slots, batch.positions, ids)
         # after the prompt: it overwrites the padding
         self.state.record(slots, (end + 1).unsqueeze(1), token.unsqueeze(1))
+        if self.constraint is not None:
+            self.constraint.start(slots, token.unsqueeze(1), torch.ones_like(token))
         first = self.propose(last, slots, end, depth=0)
         return DraftSeed(slots, last, end, first)
 
@@ -69,6 +73,8 @@ class Proposer:
             features = features[rows.unsqueeze(1), path]
         h = self.drafter(tokens, features, batch, from_features=True)
         last = h[rows, accepted]
+        if self.constraint is not None:
+            self.constraint.start(slots, tokens, emitted)
         return last, self.propose(last, slots, base + accepted, depth=0)
 
     def chain(self, seeds: list[DraftSeed], kv_len: int, graphs=None) -> None:
@@ -78,7 +84,7 @@ class Proposer:
         draft = torch.cat([s.first_draft for s in seeds])
         positions = torch.cat([s.positions for s in seeds])
         self.resources.write_hidden(slots, torch.cat([s.hidden for s in seeds]))
-        if graphs is not None and graphs.fits(slots.shape[0], kv_len):
+        if graphs is not None and self.constraint is None and graphs.fits(slots.shape[0], kv_len):
             graphs(slots, draft, positions, kv_len=kv_len)
         else:
             self.draft_steps(slots, draft, positions, kv_len)
@@ -104,17 +110,33 @@ class Proposer:
         than `prompt_lookup`, recorded at q+2 so that the chain's next lookups see it. With a
         draft tree, the drafter's next M choices become the depth's siblings."""
         history = self.state.history
+        # a grammar's allowed tokens [B, W] and forced ones [B] (-1: none), or None
+        masks = self.constraint.allowed(depth) if self.constraint is not None else None
+        allowed = masks[0] if masks is not None else None
         if history is None:
-            top = self.drafter.propose(h, self.M + 1)  # [B, M+1]
+            top = self.drafter.propose(h, self.M + 1, allowed)  # [B, M+1]
             draft, others = top[:, 0], top[:, 1:]
         else:
-            top, probability = self.drafter.propose_scored(h, self.M + 1)
+            top, probability = self.drafter.propose_scored(h, self.M + 1, allowed)
             found, copied = lookup(history[slots], q)
             copy = found & (probability[:, 0] < self.prompt_lookup)
+            if masks is not None:
+                copy &= _is_allowed(allowed, copied)
             draft = torch.where(copy, copied, top[:, 0])
             # the drafter's own first among the siblings, if copied over
             others = torch.where(copy.unsqueeze(1), top[:, : self.M], top[:, 1:])
+        if masks is not None:
+            draft = torch.where(masks[1] >= 0, masks[1], draft)
+            if depth + 1 < self.K:  # the next depth's mask follows it
+                self.constraint.follow(depth, draft)
+        if history is not None:
             self.state.record(slots, (q + 2).unsqueeze(1), draft.unsqueeze(1))
         if self.M:
             self.state.siblings[slots, :, depth] = others
         return draft
+
+
+def _is_allowed(allowed: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """allowed [B, W] packed bitmasks, tokens [B] -> whether each row's token is allowed [B]."""
+    rows = torch.arange(tokens.shape[0], device=tokens.device)
+    return ((allowed[rows, tokens >> 5] >> (tokens & 31).to(torch.int32)) & 1) == 1

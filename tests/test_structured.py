@@ -339,7 +339,8 @@ def sample_constrained(v16_dirs, drafts: str, k: int, siblings: int):
     engine.scheduler.intake.grammars = grammars
     oracle = (lambda _: set_oracle_drafts(engine, conditionals)) if drafts == "oracle" else None
     counts = sample_first_three(engine, SAMPLED, after_step=oracle)
-    return chi2_pvalue(counts, joint), engine.scheduler.stats
+    draft_grammars = engine.executor.draft_grammars  # drafts that follow the grammar
+    return chi2_pvalue(counts, joint), engine.scheduler.stats, draft_grammars
 
 
 def set_oracle_drafts(engine, conditionals) -> None:
@@ -359,14 +360,18 @@ def set_oracle_drafts(engine, conditionals) -> None:
 
 
 @pytest.mark.parametrize(
-    "drafts, k, siblings", [("none", 1, 0), ("random", 3, 0), ("oracle", 3, 0), ("oracle", 2, 1)]
+    "drafts, k, siblings",
+    [("none", 1, 0), ("random", 3, 0), ("random", 2, 1), ("oracle", 3, 0), ("oracle", 2, 1)],
 )
 def test_sampled_constrained_distribution_is_the_masked_one(v16_dirs, drafts, k, siblings):
-    p_value, stats = sample_constrained(v16_dirs, drafts, k, siblings)
+    """The "random" drafts: the drafter's, which follow the grammar (workers/draft_grammar.py)."""
+    p_value, stats, draft_grammars = sample_constrained(v16_dirs, drafts, k, siblings)
     print(f"chi-square p-value {p_value:.3g}")
     assert p_value > 1e-3
     if drafts == "oracle":
         assert stats.accepted_at[0] > 0.3 * stats.num_verify_rows
+    if drafts == "random":
+        assert draft_grammars.num_steps > 0
 
 
 def test_unmasked_draft_positions_are_caught(v16_dirs, monkeypatch):
@@ -375,13 +380,14 @@ def test_unmasked_draft_positions_are_caught(v16_dirs, monkeypatch):
 
     fill = RequestGrammar.fill
     monkeypatch.setattr(RequestGrammar, "fill", lambda self, rows, d, s: fill(self, rows, [], []))
-    p_value, _ = sample_constrained(v16_dirs, "oracle", 3, 0)
+    p_value, _, _ = sample_constrained(v16_dirs, "oracle", 3, 0)
     assert p_value < 1e-6
 
 
 def test_constrained_steps_make_no_host_sync(tiny_dir, tiny_drafter_dir):
     """Masks written, applied, drafts sent back, greedy and sampled, chain and tree: no step
-    forces a host synchronisation (workers/sync_guard.py)."""
+    forces a host synchronisation (workers/sync_guard.py) but those of the drafts that follow
+    the grammar (workers/draft_grammar.py, `allow_host_sync`)."""
     spec = StructuredSpec(kind="regex", spec="[a-p]{5}[q-z]+")
     for siblings in (0, 2):
         engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, draft_siblings=siblings)

@@ -22,6 +22,7 @@ from speculative.slot_state import SlotState
 from workers.build import load_models, weight_bytes
 from workers.cuda_graphs import StepGraphSet, capture_step_graphs
 from workers.device import pick_device, pick_dtype
+from workers.draft_grammar import DraftGrammars
 from workers.kv_sizing import PoolSize, cache_rows
 from workers.layers import attention_backend
 from workers.layers.kv_cache import KVCache
@@ -55,7 +56,7 @@ class ModelRunner:
             # captured with cuDNN (workers/cuda_graphs.py).
             torch.backends.cuda.enable_cudnn_sdp(False)
         start = time.perf_counter()
-        model_dir = resolve_model(cfg.model)
+        self.model_dir = model_dir = resolve_model(cfg.model)
         self.target_cfg = ModelConfig.from_dir(model_dir)
         self.K = cfg.k
         self.M = cfg.draft_siblings if self.K else 0  # siblings per depth in the draft tree
@@ -100,9 +101,10 @@ class ModelRunner:
         history_len = cache_len if cfg.prompt_lookup > 0 and drafter is not None else 0
         self.state = SlotState(self.num_slots, self.K, self.M, tc.vocab_size, history_len, dev)
         parts = (self.state, self.resources, self.kv)
-        self.proposer = None
+        self.proposer = self.draft_grammars = None
         if drafter is not None:
             self.proposer = Proposer(drafter, *parts, self.K, self.M, cfg.prompt_lookup)
+            self.draft_grammars = DraftGrammars(tc.vocab_size, dev, self.model_dir)
         whole_step = cfg.graph_first_draft and drafter is not None
         self.verifier = Verifier(self.target, *parts, self.proposer, self.K, self.M, whole_step)
 
@@ -147,6 +149,8 @@ class ModelRunner:
             self.kv.update_tables(inputs["new_slots"], where, inputs["block_ids"])
         if plan.use_grammar:
             self.state.write_grammar(inputs)
+        if self.draft_grammars is not None:  # also frees the matchers of freed slots
+            self.proposer.constraint = self.draft_grammars.for_step(plan)
         parts, seeds, prompt = [], [], None
         if plan.prefills:
             *part, seed, prompt = self._prefill(plan, inputs)
@@ -160,6 +164,9 @@ class ModelRunner:
         seeds = [s for s in seeds if s is not None]
         if seeds:
             self.proposer.chain(seeds, plan.kv_len, self.graphs.chain)
+        if self.proposer is not None and self.proposer.constraint is not None:
+            self.proposer.constraint.finish()
+            self.proposer.constraint = None
         tokens, emitted, logprobs = zip(*parts)
         logprobs = [part for part in logprobs if part is not None]
         logprobs = tuple(map(torch.cat, zip(*logprobs))) if logprobs else None

@@ -14,6 +14,7 @@ class HostSyncError(RuntimeError):
 
 
 _PATCHED = ("item", "cpu", "tolist", "numpy", "__bool__", "__int__", "__float__")
+_ORIGINAL = {name: getattr(torch.Tensor, name) for name in _PATCHED}
 
 
 @contextlib.contextmanager
@@ -39,6 +40,29 @@ def no_host_sync(enabled: bool = True):
         yield
     finally:
         for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+        if cuda:
+            torch.cuda.set_sync_debug_mode(previous)
+
+
+@contextlib.contextmanager
+def allow_host_sync():
+    """Inside a guarded step, the one place that must sync (workers/draft_grammar.py: drafts that
+    follow a grammar, in steps with constrained rows only) does so here."""
+    patched = {name: getattr(torch.Tensor, name) for name in _PATCHED}
+    if patched == _ORIGINAL:  # not inside a guarded step
+        yield
+        return
+    for name, method in _ORIGINAL.items():
+        setattr(torch.Tensor, name, method)
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("default")
+    try:
+        yield
+    finally:
+        for name, method in patched.items():
             setattr(torch.Tensor, name, method)
         if cuda:
             torch.cuda.set_sync_debug_mode(previous)

@@ -7,7 +7,8 @@ in chunks up to `num_prefilled`."""
 from dataclasses import dataclass, field
 
 from speculative.config import SamplingParams
-from speculative.grammar import RequestGrammar
+from speculative.grammar import PortableGrammar, RequestGrammar
+from speculative.plan import DraftGrammarRow
 from speculative.reasoning_grammar import ReasoningGrammar
 
 
@@ -42,6 +43,8 @@ class Request:
     # [M][K] that the last step proposed (the next step's masks follow them)
     grammar: "RequestGrammar | ReasoningGrammar | None" = None
     drafts: tuple[list[int], list[list[int]]] = ([], [])
+    # tokens of the grammar's output the ranks' draft grammar has been sent (None: it has none)
+    num_grammar_sent: int | None = None
     blocks: list[int] = field(default_factory=list)  # its KV blocks, in position order
     block_hashes: list[int] = field(default_factory=list)  # of its full blocks, once cached
     is_preempted: bool = False  # its blocks are given back; requeued once no step holds it
@@ -66,6 +69,21 @@ class Request:
     @property
     def acceptance_length(self) -> float:
         return self.num_verify_emitted / self.num_verify_steps if self.num_verify_steps else 1.0
+
+    def draft_grammar_row(self, is_admitted: bool) -> DraftGrammarRow | None:
+        """What the ranks' copy of the grammar needs this step so that the drafts follow it: the
+        grammar itself and all its output on admission (the slot's copy starts afresh), else the
+        output since. None for a grammar after reasoning, whose drafts stay free."""
+        if not isinstance(self.grammar, RequestGrammar):
+            return None
+        prior = self.params.prior_output_tokens
+        followed = self.prompt_ids[len(self.prompt_ids) - prior :] + self.output_ids
+        grammar = None
+        if is_admitted or self.num_grammar_sent is None:
+            grammar, self.num_grammar_sent = PortableGrammar(self.grammar.compiled), 0
+        row = DraftGrammarRow(self.slot, followed[self.num_grammar_sent :], grammar)
+        self.num_grammar_sent = len(followed)
+        return row
 
 
 @dataclass

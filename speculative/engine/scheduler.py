@@ -191,6 +191,12 @@ class Scheduler:
         for i, row in enumerate(constrained):
             rows[row].grammar.fill(masks[i], *rows[row].drafts)
         plan.grammar_rows, plan.grammar_masks = constrained, masks.numpy()
+        if self.k:  # the ranks' drafts follow the grammar too (workers/draft_grammar.py)
+            admitted = [
+                i < len(plan.prefills) and not plan.prefills[i].is_continued for i in constrained
+            ]
+            draft_rows = (rows[i].draft_grammar_row(a) for i, a in zip(constrained, admitted))
+            plan.draft_grammars = [d for d in draft_rows if d is not None]
 
     # ---- results ----
 
