@@ -17,18 +17,23 @@ def expected_tokens(rates: list[float], k: int) -> float:
     return total
 
 
+# a longer draft must promise this much more throughput than the best shorter one: measured costs
+# are noisy, and a draft that gains nothing still costs forwards
+MIN_GAIN = 0.02
+
+
 def choose_draft_length(
     row_rates: list[list[float]], step_seconds: list[float], fixed_tokens: float = 0.0
 ) -> int:
     """The k in 0..len(step_seconds)-1 with the most expected tokens per second for a step whose
     auto rows accept as `row_rates` (one list of K rates per row) and whose other rows emit
-    `fixed_tokens` whatever k; step_seconds[k]: the step's cost drafting k. Ties go to the
-    smaller k (fewer forwards for the same throughput)."""
+    `fixed_tokens` whatever k; step_seconds[k]: the step's cost drafting k. Near-ties (within
+    MIN_GAIN) go to the smaller k."""
     best, best_rate = 0, -1.0
     for k, seconds in enumerate(step_seconds):
         tokens = fixed_tokens + sum(expected_tokens(rates, k) for rates in row_rates)
         rate = tokens / seconds
-        if rate > best_rate * (1 + 1e-9):
+        if rate > best_rate * (1 + MIN_GAIN):
             best, best_rate = k, rate
     return best
 

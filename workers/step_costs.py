@@ -14,7 +14,7 @@ from speculative.plan import PrefillRow, StepPlan
 log = logging.getLogger(__name__)
 
 PROMPT_LEN = 32  # tokens each profiled row holds before its decode steps
-REPEATS = 3  # timed steps per (batch, K), after one untimed
+REPEATS = 5  # timed steps per (batch, K), after one untimed
 
 
 def profile_step_costs(runner) -> dict[tuple[int, int], float]:
@@ -44,17 +44,18 @@ def _profile_batch(runner, batch: int, blocks_per_row: int, steps_per_k: int) ->
     prompt = list(range(1, PROMPT_LEN + 1))
     prefills = [PrefillRow(s, prompt, s, SamplingParams()) for s in slots]
     runner.execute(StepPlan(0, prefills, kv_len=kv_len, block_updates=updates)).result()
-    costs, step = {}, 1
-    for k in range(K + 1):
-        seconds = []
-        for _ in range(steps_per_k):
+    seconds, step = {k: [] for k in range(K + 1)}, 1
+    # every K in each round, the order reversed every other round: a load that changes while
+    # this runs changes every K's timings alike
+    for round_ in range(steps_per_k):
+        for k in range(K + 1) if round_ % 2 else range(K, -1, -1):
             plan = StepPlan(step, decode_slots=slots, kv_len=kv_len)
+            step += 1
             if k < K:  # K: the all-K form, graphed where the graphs fit
                 plan.draft_counts, plan.draft_limits = [k] * batch, [k] * batch
             result = runner.execute(plan).result()
-            seconds.append(max(result.execute_s, result.device_s))
-            step += 1
-        costs[bucket(batch), k] = statistics.median(seconds[1:])
+            seconds[k].append(max(result.execute_s, result.device_s))
+    costs = {(bucket(batch), k): statistics.median(s[1:]) for k, s in seconds.items()}
     for s in slots:
         runner.resources.free(s)
     runner.kv.block_table[: runner.num_slots].fill_(runner.kv.dummy_block)
