@@ -109,6 +109,11 @@ def _acceptance(before: dict, after: dict) -> dict:
     }
 
 
+def _rows(stats: dict) -> int:
+    """Rows of requests still running, over every step so far."""
+    return stats["num_rows"] - stats["num_extra_rows"]
+
+
 def _utilization(before: dict, after: dict, wall: float, nvml_busy: float | None) -> dict:
     """How busy the GPU was, the share of rows in extra target passes and how long the
     coordinator waited, between two coordinator.stats()."""
@@ -148,6 +153,13 @@ def run_load(
         "output_tokens_per_s": tokens / wall,
         "requests_per_s": len(prompts) / wall,
         **_acceptance(before, after),
+        # output tokens per request per step, K=0 rows included (the acceptance length counts
+        # only the rows that verified drafts)
+        "tokens_per_step": tokens / max(1, _rows(after) - _rows(before)),
+        # num_draft_tokens auto: the steps that chose each K
+        "auto_steps_by_k": [
+            a - b for a, b in zip(after["auto_steps_by_k"], before["auto_steps_by_k"])
+        ],
         "ttft_ms": _percentiles(ttft),
         "itl_ms": _percentiles(itl),
         **_utilization(before, after, wall, utilization.busy_fraction),
@@ -169,7 +181,7 @@ class EngineVariant(NamedTuple):
     """One engine the benchmark starts; K and siblings are 0 for plain decoding."""
 
     mode: str  # "plain" or "eagle"
-    k: int
+    k: int | str  # or "auto"
     siblings: int
     cuda_graphs: bool
 
@@ -194,7 +206,7 @@ def _engine_config(
     eagle = variant.mode == "eagle"
     return EngineConfig(
         drafter=drafter if eagle else "none",
-        num_draft_tokens=max(variant.k, 1),
+        num_draft_tokens="auto" if variant.k == "auto" else max(variant.k, 1),
         cuda_graphs=variant.cuda_graphs,
         prompt_lookup=prompt_lookup if eagle else 0.0,
         draft_siblings=variant.siblings,

@@ -3,8 +3,9 @@
 from pathlib import Path
 
 TABLE = {  # column: width
-    "mode": 6, "K": 2, "M": 2, "graphs": 6, "ovl": 4, "batch": 5, "tok/s": 9, "req/s": 7,
-    "acc len": 7, "ttft p50": 9, "itl p50": 8, "gpu busy": 8, "nvml": 5, "extra": 6,
+    "mode": 6, "K": 4, "M": 2, "graphs": 6, "ovl": 4, "batch": 5, "tok/s": 9, "req/s": 7,
+    "acc len": 7, "tok/step": 8, "auto K": 6, "ttft p50": 9, "itl p50": 8, "gpu busy": 8,
+    "nvml": 5, "extra": 6,
 }  # fmt: skip
 
 
@@ -20,11 +21,19 @@ def print_table(runs: list[dict]) -> None:
         cells = [
             r["mode"], r["k"], r.get("siblings", 0), str(r["cuda_graphs"]), str(r["overlap"]),
             r["batch"], f"{r['output_tokens_per_s']:.1f}", f"{r['requests_per_s']:.2f}",
-            f"{r['mean_acceptance_length']:.2f}", ms(r["ttft_ms"]["p50"], 1),
+            f"{r['mean_acceptance_length']:.2f}", f"{r.get('tokens_per_step', 0):.2f}",
+            _mean_k(r.get("auto_steps_by_k")), ms(r["ttft_ms"]["p50"], 1),
             ms(r["itl_ms"]["p50"], 2), percent(r["gpu_busy_fraction"]),
             percent(r["nvml_busy_fraction"]), f"{r['extra_pass_share']:.1%}",
         ]  # fmt: skip
         print(" ".join(f"{cell:>{width}}" for cell, width in zip(cells, TABLE.values())))
+
+
+def _mean_k(steps_by_k: list[int] | None) -> str:
+    """The mean K that num_draft_tokens auto chose over a run's steps ("-": not auto)."""
+    if not steps_by_k or not sum(steps_by_k):
+        return "-"
+    return f"{sum(k * n for k, n in enumerate(steps_by_k)) / sum(steps_by_k):.2f}"
 
 
 def plot(runs: list[dict], path: Path) -> bool:

@@ -12,14 +12,20 @@ from deployments.local_ray import local_cpus, local_ray_env
 def _bench_sweep(args) -> tuple[list[int], list[int], list[int], list[str]]:
     """-k, --batch, --draft-siblings and --modes as lists, checked."""
     try:
-        ks, batches = [int(k) for k in args.k.split(",")], [int(b) for b in args.batch.split(",")]
+        ks = [k if k == "auto" else int(k) for k in args.k.split(",")]
+        batches = [int(b) for b in args.batch.split(",")]
         siblings = [int(m) for m in args.draft_siblings.split(",")]
     except ValueError:
         raise ValueError(
-            "-k, --batch and --draft-siblings take integers, comma-separated"
+            "-k (or auto), --batch and --draft-siblings take integers, comma-separated"
         ) from None
     modes = args.modes.split(",")
-    if min(ks) < 1 or min(batches) < 1 or min(siblings) < 0 or not set(modes) <= {"plain", "eagle"}:
+    if (
+        min(k for k in ks + [1] if k != "auto") < 1
+        or min(batches) < 1
+        or min(siblings) < 0
+        or not set(modes) <= {"plain", "eagle"}
+    ):
         raise ValueError(
             "-k and --batch values must be >= 1, --draft-siblings >= 0, and --modes holds plain "
             "and/or eagle"

@@ -57,11 +57,21 @@ def _field_flag_adder(p: argparse.ArgumentParser, serve: bool):
     return add
 
 
+def _draft_tokens(value: str) -> int | str:
+    return value if value == "auto" else int(value)
+
+
 def _model_flags(add) -> None:
     """The model, its drafter and where and how big the engine runs it."""
     add("--model", help="model name, HF directory or .gguf file")
     add("--drafter", help="'default', 'none' or an EAGLE-3 drafter directory")
-    add("--num-draft-tokens", "-k", type=int, help="draft tokens per step (K)")
+    add(
+        "--num-draft-tokens",
+        "-k",
+        type=_draft_tokens,
+        help="draft tokens per step (K), or auto: each step's picked from the measured acceptance "
+        "and step costs",
+    )
     add(
         "--max-batch-size",
         "--max-num-seqs",  # vLLM's name

@@ -198,4 +198,13 @@ def engine_families(stats: dict, labels: dict) -> list:
         for position, n in enumerate(stats["accepted_at"]):
             per_pos.add_metric([*label_values, str(position)], n)
         families.append(per_pos)
+    if any(stats.get("auto_steps_by_k", ())):
+        chosen = CounterMetricFamily(
+            "eagleserve_spec_decode_auto_steps",
+            "Steps by the draft length that num_draft_tokens auto chose for them.",
+            labels=[*names, "num_draft_tokens"],
+        )
+        for k, n in enumerate(stats["auto_steps_by_k"]):
+            chosen.add_metric([*label_values, str(k)], n)
+        families.append(chosen)
     return families

@@ -2,7 +2,7 @@
 engine's SamplingParams bounds it, and the SamplingParams a request asks for."""
 
 from functools import partial
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -38,10 +38,11 @@ class StreamOptions(BaseModel):
 
 class SpeculativeOptions(BaseModel):
     """Our extension: speculation per request. num_draft_tokens 0 turns it off, fewer than the
-    server's K lowers it; the output is exact either way."""
+    server's K lowers it, "auto" lets the engine pick each step's; the output is exact either
+    way."""
 
     model_config = ConfigDict(extra="forbid")
-    num_draft_tokens: int = Field(ge=0, le=16)
+    num_draft_tokens: Annotated[int, Field(ge=0, le=16)] | Literal["auto"]
 
 
 # ---- end issue 31b ----

@@ -66,8 +66,9 @@ class SamplingParams(BaseModel):
     # the same for the prompt's tokens (after the first)
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text
-    # per request: drafts verified per step, at most the engine's K; 0: no speculation. None: K
-    num_draft_tokens: int | None = Field(None, ge=0, le=16)
+    # per request: drafts verified per step, at most the engine's K; 0: no speculation; "auto":
+    # the engine picks each step's (speculative/draft_length.py). None: the engine's
+    num_draft_tokens: Annotated[int, Field(ge=0, le=16)] | Literal["auto"] | None = None
     # structured outputs: every token is one the grammar allows there (speculative/grammar.py)
     structured: StructuredSpec | None = None
     # vLLM's: under the priority scheduling policy, lower values are admitted first and
@@ -113,7 +114,10 @@ class EngineConfig(BaseModel):
     drafter: str = "default"  # "default", "none" or a directory
     # K; ignored when drafter is "none". 5: with the default drafter, K=5 was faster than K=3 on the
     # H200 at batch 1, 8 and 32 (BENCHMARKS.md, run E); on CPU the two were within noise
-    num_draft_tokens: int = Field(5, ge=1, le=16)
+    # "auto": each step's K picked from the measured acceptance and step costs, at most
+    # auto_max_draft_tokens (speculative/draft_length.py)
+    num_draft_tokens: Annotated[int, Field(ge=1, le=16)] | Literal["auto"] = 5
+    auto_max_draft_tokens: int = Field(5, ge=1, le=16)
     # request slots (vLLM's max_num_seqs); None: derived (workers/kv_sizing.py's default_slots)
     max_batch_size: int | None = Field(None, ge=1, le=1024)
     # prompt + output tokens per request; None: the model's max_position_embeddings (a larger
@@ -160,5 +164,12 @@ class EngineConfig(BaseModel):
         return self.drafter != "none"
 
     @property
+    def is_auto_k(self) -> bool:
+        return self.num_draft_tokens == "auto" and self.speculative
+
+    @property
     def k(self) -> int:
-        return self.num_draft_tokens if self.speculative else 0
+        """The most drafts a step makes per row: the shapes' K."""
+        if not self.speculative:
+            return 0
+        return self.auto_max_draft_tokens if self.is_auto_k else self.num_draft_tokens

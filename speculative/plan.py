@@ -22,8 +22,6 @@ class PrefillRow:
     start: int = 0  # position of token_ids[0]: the K/V before it is cached or computed
     next_token: int = -1  # a chunk short of the prefill's end: the token after it (else -1)
     is_continued: bool = False  # a later chunk of a prefill that an earlier step began
-    # the request's K: verification accepts at most this many drafts (16, K's bound: no limit)
-    num_draft_tokens: int = 16
     # penalties: the position where the earlier output in the prefill begins (a resumed
     # request's; None: there is none), and on a first chunk past a prefix-cache hit the cached
     # prefix's ids, which the step counts without computing them
@@ -61,7 +59,11 @@ class StepPlan:
     # the paged KV pool's block-table changes, (slot, index, block) each, applied after the
     # prefills' rows are reset; None: a hand-built plan over the contiguous per-slot layout
     block_updates: list[tuple[int, int, int]] | None = None
-    use_draft_limits: bool = False  # some row's K is below the engine's (verified eagerly)
+    # per-row K (speculative/draft_length.py): the drafts each row of `slots` makes this step,
+    # and the drafts each decode row's verify checks (those its previous step made); None: the
+    # engine's K for every row, the CUDA graphs' form (the others run eagerly)
+    draft_counts: list[int] | None = None
+    draft_limits: list[int] | None = None
     # structured outputs: the constrained rows (indices into `slots`) and their packed bitmasks
     # [len(grammar_rows), T, ceil(V / 32)] int32, one row per verify node (speculative/grammar.py)
     grammar_rows: list[int] = field(default_factory=list)
@@ -79,9 +81,14 @@ class StepPlan:
             and not self.use_logit_bias
             and self.num_prompt_logprobs is None
             and not self.use_min_tokens
+            and self.draft_counts is None
             and not self.use_draft_limits
             and not self.use_grammar
         )
+
+    @property
+    def use_draft_limits(self) -> bool:
+        return self.draft_limits is not None
 
     @property
     def use_grammar(self) -> bool:
@@ -93,7 +100,7 @@ class StepPlan:
         return [p.slot for p in self.prefills] + self.decode_slots
 
 
-def step_flags(rows: list, prefills: list, k: int) -> dict:
+def step_flags(rows: list, prefills: list) -> dict:
     """What a step's rows (Requests) need beyond greedy decoding (StepPlan's flags): steps without
     a feature do not pay for it, and greedy steps stay graphable."""
     params = [r.params for r in rows]
@@ -106,7 +113,6 @@ def step_flags(rows: list, prefills: list, k: int) -> dict:
         use_penalties=any(p.has_penalties for p in params),
         use_logit_bias=any(p.logit_bias for p in params),
         use_min_tokens=any(r.params.min_tokens > len(r.output_ids) for r in rows),
-        use_draft_limits=any(r.num_draft_tokens < k for r in rows),
         num_prompt_logprobs=max((n for n in prompt_logprobs if n is not None), default=None),
     )
 
@@ -134,3 +140,33 @@ class StepResult:
     # with plan.use_grammar: the drafts [rows, K] and siblings [rows, M, K] the step proposed
     drafts: np.ndarray | None = None
     siblings: np.ndarray | None = None
+
+
+@dataclass
+class DraftSchedule:
+    """How a step with per-row K runs (`draft_schedule`), in host numbers."""
+
+    verify_width: int  # drafts per row in the verify pass: the largest limit (K without limits)
+    # the decode rows whose first draft forward runs (count > 0); None: all of them
+    drafting: list[int] | None
+    # the draft chain's rows (the prefills, then `drafting`) with count > 0, largest count first,
+    # so that each depth's rows are a prefix; None: every row drafts K
+    chain_order: list[int] | None
+    depth_rows: list[int]  # [K] how many of chain_order's rows draft at depth k (from 0)
+
+
+def draft_schedule(plan: StepPlan, K: int) -> DraftSchedule:
+    limits, counts = plan.draft_limits, plan.draft_counts
+    width = max(limits, default=0) if limits is not None else K
+    if counts is None:
+        return DraftSchedule(width, None, None, [])
+    num_prefills = len(plan.prefills)
+    decode_counts = counts[num_prefills:]
+    drafting = [i for i, c in enumerate(decode_counts) if c > 0]
+    chain_counts = counts[:num_prefills] + [decode_counts[i] for i in drafting]
+    order = sorted(range(len(chain_counts)), key=lambda i: -chain_counts[i])
+    order = [i for i in order if chain_counts[i] > 0]
+    depth_rows = [sum(c > k for c in chain_counts) for k in range(K)]
+    if len(drafting) == len(decode_counts):
+        drafting = None
+    return DraftSchedule(width, drafting, order, depth_rows)

@@ -57,18 +57,22 @@ class Proposer:
         first = self.propose(last, slots, end, depth=0)
         return DraftSeed(slots, last, end, first)
 
-    def after_verify(self, slots, tokens, emitted, base, path, kv_len: int, T: int):
-        """The first draft forward over the accepted + 1 tokens of each row (tokens [B, K+1],
-        padded past emitted [B]), fed by the target features the verify pass (T tokens a row)
-        captured at the nodes of `path` [B, K+1]. -> the drafter's output at the last accepted
-        token [B, H], the first draft [B]."""
-        K, B, dev = self.K, slots.shape[0], slots.device
-        rows = torch.arange(B, device=dev)
+    def after_verify(self, slots, tokens, emitted, base, path, kv_len: int, T: int, only=None):
+        """The first draft forward over the accepted + 1 tokens of each row (tokens [B, W],
+        W = K+1 or fewer, padded past emitted [B]), fed by the target features the verify pass
+        (T tokens a row) captured at the nodes of `path` [B, W]; only the rows `only` [B'] if
+        given (per-row K: those that draft). -> the drafter's output at the last accepted token
+        [B', H], the first draft [B']."""
+        W, dev = tokens.shape[1], slots.device
+        features = self.resources.feature_view(slots.shape[0], T)
+        if only is not None:
+            slots, tokens, emitted, base = slots[only], tokens[only], emitted[only], base[only]
+            features, path = features[only], path[only]
+        rows = torch.arange(slots.shape[0], device=dev)
         accepted = emitted - 1
-        positions = base.unsqueeze(1) + torch.arange(K + 1, device=dev)
-        valid = torch.arange(K + 1, device=dev) <= accepted.unsqueeze(1)
+        positions = base.unsqueeze(1) + torch.arange(W, device=dev)
+        valid = torch.arange(W, device=dev) <= accepted.unsqueeze(1)
         batch = self.kv.batch(slots, positions, valid, kv_len)
-        features = self.resources.feature_view(B, T)
         if self.M:
             features = features[rows.unsqueeze(1), path]
         h = self.drafter(tokens, features, batch, from_features=True)
@@ -88,6 +92,34 @@ class Proposer:
             graphs(slots, draft, positions, kv_len=kv_len)
         else:
             self.draft_steps(slots, draft, positions, kv_len)
+
+    def chain_by_count(self, seeds: list[DraftSeed], kv_len: int, order, depth_rows) -> None:
+        """Per-row K: the chain's rows in `order` [R] (largest count first; rows drafting none
+        left out), and at 0-based depth k only the first depth_rows[k] of them draft, so no row
+        runs a forward past its own K."""
+        if not depth_rows or not depth_rows[0]:
+            return
+        slots = torch.cat([s.slots for s in seeds])[order]
+        draft = torch.cat([s.first_draft for s in seeds])[order]
+        positions = torch.cat([s.positions for s in seeds])[order]
+        self.resources.write_hidden(slots, torch.cat([s.hidden for s in seeds])[order])
+        self.state.drafts[slots, 0] = draft
+        if self.constraint is not None:
+            self.constraint.keep(order)
+        one = torch.ones(slots.shape[0], 1, dtype=torch.bool, device=slots.device)
+        for k in range(1, self.K):
+            n = depth_rows[k]
+            if not n:
+                break
+            slots, draft, positions, one = slots[:n], draft[:n], positions[:n], one[:n]
+            if self.constraint is not None:
+                self.constraint.keep(range(n))
+            batch = self.kv.batch(slots, (positions + k).unsqueeze(1), one, kv_len)
+            hidden = self.resources.read_hidden(slots).unsqueeze(1)  # [n, 1, H]
+            h = self.drafter(draft.unsqueeze(1), hidden, batch, from_features=False)[:, 0]
+            self.resources.write_hidden(slots, h)
+            draft = self.propose(h, slots, positions + k, depth=k)
+            self.state.drafts[slots, k] = draft
 
     def draft_steps(self, slots, draft, positions, kv_len: int) -> tuple[torch.Tensor]:
         """Draft forwards 2..K, one token per row, each launched from the previous one's tensors.

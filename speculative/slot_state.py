@@ -33,7 +33,6 @@ class SlotState:
         self.drafts = zeros(n, max(K, 1))  # [slots+1, K]
         self.siblings = zeros(n, M, max(K, 1))  # [slots+1, M, K]
         self.seeds = zeros(n)
-        self.draft_limit = zeros(n)  # [slots+1] each request's K: accepted drafts are capped at it
         for name, dtype, neutral in SAMPLING_FIELDS:
             setattr(self, name, torch.full((n,), neutral, dtype=dtype, device=device))
         # penalties: [slots+1, V] each slot's output token counts, and its prompt's tokens
@@ -68,7 +67,6 @@ class SlotState:
         """Write the rows of the plan's prefills from their inputs (workers/step_io.py)."""
         slots = inp["prefill_slots"]
         self.seeds.index_copy_(0, slots, inp["prefill_seeds"])
-        self.draft_limit.index_copy_(0, slots, inp["prefill_num_draft_tokens"])
         for name, _, _ in SAMPLING_FIELDS:
             getattr(self, name).index_copy_(0, slots, inp[f"prefill_{name}"])
         if plan.use_logit_bias:

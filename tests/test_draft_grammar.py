@@ -172,3 +172,19 @@ def test_greedy_smollm2_grammar_drafts_equal_plain_and_accept_more(
     accepted = [sum(rs[i].acceptance_length for i in constrained) for rs in (following, free)]
     print("constrained tokens/step, drafts following / free:", accepted)
     assert accepted[0] > accepted[1]
+
+
+def test_grammar_drafts_with_per_row_k_equal_plain(smollm2_engine, smollm2_speculative):
+    """Constrained rows among rows of K 0, 1, 2 and the engine's: each depth drafts a prefix of
+    the K-sorted rows, and the constrained ones' masks follow that order."""
+    questions = ["Describe a person as JSON.", "Say hello.", "What is your phone number?",
+                 "What is the weather in Paris?", "Name a colour."]  # fmt: skip
+    prompts = [encode_prompt(smollm2_engine.tokenizer, q) for q in questions]
+    ks = [1, 0, None, 2, 3]
+    plain_params = [SamplingParams(max_tokens=32, structured=s) for s in smollm2_specs()]
+    plain = [r.output_ids for r in smollm2_engine.generate(prompts, plain_params)]
+    params = [p.model_copy(update={"num_draft_tokens": k}) for p, k in zip(plain_params, ks)]
+    mixed = smollm2_speculative.generate(prompts, params)
+    assert [r.output_ids for r in mixed] == plain
+    constrained = [i for i, p in enumerate(params) if p.structured is not None and ks[i] != 0]
+    assert all(mixed[i].acceptance_length > 1 for i in constrained)

@@ -1,6 +1,9 @@
 """Per-request speculation (SamplingParams.num_draft_tokens): a row that verifies k of the step's K
 drafts gives exactly what verification with K = k gives; a batch mixes requests with different k;
-acceptance statistics count only the drafts that were verified."""
+a row drafts only its own k (no drafter forward past it); acceptance statistics count only the
+drafts that were verified."""
+
+import contextlib
 
 import pytest
 import torch
@@ -82,7 +85,8 @@ def test_k0_sampling_equals_plain_decoding(engine_k5, smollm2_engine, smollm2_pr
     sampled = dict(temperature=0.8, top_p=0.95, max_tokens=32)
     plain = smollm2_engine.generate(prompts[:2], SamplingParams(seed=7, **sampled))
     mixed = [SamplingParams(seed=7, num_draft_tokens=0, **sampled)] * 2
-    mixed += [SamplingParams(max_tokens=32)] * 2  # greedy, K=5, beside them
+    # greedy, K=5 and auto, beside them
+    mixed += [SamplingParams(max_tokens=32), SamplingParams(max_tokens=32, num_draft_tokens="auto")]
     requests = run_to_completion(engine_k5, prompts, mixed)
     assert [r.output_ids for r in requests[:2]] == [r.output_ids for r in plain]
 
@@ -90,3 +94,57 @@ def test_k0_sampling_equals_plain_decoding(engine_k5, smollm2_engine, smollm2_pr
 def test_k_over_the_engines_is_refused(engine_k5, smollm2_prompts):
     with pytest.raises(RequestError, match="num_draft_tokens"):
         engine_k5.add_request(smollm2_prompts[0], SamplingParams(num_draft_tokens=6))
+
+
+class CountingDrafter:
+    """The real drafter, recording the slots of each of its forwards."""
+
+    def __init__(self, drafter):
+        self.drafter, self.forwards = drafter, []
+
+    def __call__(self, ids, hidden, batch, **kwargs):
+        self.forwards.append(batch.slots.tolist())
+        return self.drafter(ids, hidden, batch, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+
+@contextlib.contextmanager
+def counting_drafter(engine):
+    proposer = engine.executor.proposer
+    proposer.drafter = CountingDrafter(proposer.drafter)
+    try:
+        yield proposer.drafter
+    finally:
+        proposer.drafter = proposer.drafter.drafter
+
+
+def test_rows_draft_only_their_own_k(
+    engine_k5, smollm2_prompts, smollm2_greedy_64, smollm2_near_tie
+):
+    """K = 0, 1, 5 and auto in one batch, greedy: each equals plain decoding, and each row is in
+    exactly K drafter forwards per step (the prefill's first, over the prompt, for every row):
+    a K=1 row in one, a K=0 row in none after its prompt's."""
+    ks = [0, 1, 5, "auto"]
+    params = [SamplingParams(max_tokens=40, num_draft_tokens=k) for k in ks]
+    prompts = smollm2_prompts[6 : 6 + len(ks)]
+    slot_of = {}
+
+    def record_slot(i, output):
+        slot_of.setdefault(i, engine_k5.scheduler.running[output.request_id].slot)
+
+    engine_k5.overlap = False  # no extra pass: a row's steps are its verify steps
+    try:
+        with counting_drafter(engine_k5) as counting:
+            requests = run_to_completion(engine_k5, prompts, params, on_output=record_slot)
+    finally:
+        engine_k5.overlap = True
+    for prompt, r, ref in zip(prompts, requests, smollm2_greedy_64[6:]):
+        smollm2_near_tie(prompt, r.output_ids, ref[:40])
+    in_forwards = [sum(slot_of[i] in f for f in counting.forwards) for i in range(len(ks))]
+    assert in_forwards[0] == 1  # the prompt's only
+    for i in (1, 2):  # the prefill step's K and each verify step's K
+        assert in_forwards[i] == ks[i] * (1 + requests[i].num_verify_steps)
+    assert requests[2].acceptance_length > 2  # K=5 really speculates beside them
+    assert 1 <= in_forwards[3] <= 5 * (1 + requests[3].num_verify_steps)

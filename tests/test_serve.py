@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 import yaml
-from prom_text import label_sets, promql_metric_names, scrape, total
+from prom_text import label_sets, promql_metric_names, scrape, scrape_until, total
 from ray import serve
 from serve_app import start_app, stop_app
 
@@ -676,6 +676,21 @@ def test_health_and_metrics(base_url):
     assert total(samples, "vllm:generation_tokens_total") > 0
     assert total(samples, "vllm:prefix_cache_queries_total") > 0
     assert total(samples, "vllm:spec_decode_num_draft_tokens_total") > 0
+
+
+def test_auto_draft_length_is_served_and_counted(base_url, client):
+    """`"speculative": {"num_draft_tokens": "auto"}`: greedy, the text of the server's own K; its
+    steps count in /metrics by the K chosen. Another string is a 400 naming the field."""
+    steps = "eagleserve_spec_decode_auto_steps_total"
+    before = total(scrape(base_url), steps)
+    auto = {"speculative": {"num_draft_tokens": "auto"}}
+    reply = chat(client, QUESTIONS[0], max_tokens=16, extra_body=auto)
+    fixed = chat(client, QUESTIONS[0], max_tokens=16)
+    assert reply.choices[0].message.content == fixed.choices[0].message.content
+    after = scrape_until(base_url, lambda samples: total(samples, steps) >= before + 3)
+    assert total(after, steps) >= before + 3  # at least a step per 6 of the 16 tokens
+    with pytest.raises(openai.BadRequestError, match="num_draft_tokens"):
+        chat(client, QUESTIONS[0], extra_body={"speculative": {"num_draft_tokens": "often"}})
 
 
 def test_metrics_move_with_requests_as_vllm_names_them(base_url, client):

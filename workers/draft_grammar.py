@@ -100,6 +100,14 @@ class StepGrammars:
                     self._accept(m, token)
         self.grammars.host_s += time.perf_counter() - began
 
+    def keep(self, rows) -> None:
+        """The chain goes on with these of its rows (indices, a list or a device tensor), in this
+        order: per-row K drops rows by depth (Proposer.chain_by_count)."""
+        if isinstance(rows, torch.Tensor):
+            with allow_host_sync():
+                rows = rows.tolist()
+        self.rows = [self.rows[i] for i in rows]
+
     def allowed(self, depth: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rows' masks at `depth` -> (packed bitmask [B, W] int32, the forced token [B] or
         -1), on the device; None where no row is constrained."""

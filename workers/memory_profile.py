@@ -194,7 +194,7 @@ def _heaviest_flags(runner, num_rows: int, kv_len: int) -> dict:
         use_penalties=True,
         use_logit_bias=True,
         use_min_tokens=True,
-        use_draft_limits=True,
+        draft_limits=[runner.K] * num_rows,
         grammar_rows=list(range(num_rows)),
         grammar_masks=np.full((num_rows, runner.T, vocab_words), -1, dtype=np.int32),
     )

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from speculative.plan import StepPlan
+from speculative.plan import DraftSchedule, StepPlan, draft_schedule
 from speculative.proposer import DraftSeed, Proposer
 from speculative.resource_manager import Eagle3ResourceManager
 from speculative.sampling import process_logits, prompt_logprobs, sample_one, token_logprobs
@@ -30,6 +30,7 @@ from workers.layers.parallel import tp_rank_size
 from workers.memory_profile import memory_at_start, size_pool
 from workers.models import ModelConfig
 from workers.models.loader import resolve_model
+from workers.step_costs import maybe_profile
 from workers.step_io import StepOutput, prepare_inputs, send_back
 from workers.sync_guard import no_host_sync
 from workers.verifier import Verifier
@@ -84,6 +85,7 @@ class ModelRunner:
         if cfg.cuda_graphs and self.device.type == "cuda":
             with torch.inference_mode():
                 self.graphs = capture_step_graphs(self, size.graph_bytes)
+        self.step_costs = maybe_profile(self)  # num_draft_tokens auto: decode steps' costs
 
     def _allocate(self, cache_len: int, size: PoolSize) -> None:
         cfg, tc, drafter, dev = self.cfg, self.target_cfg, self.drafter, self.device
@@ -119,13 +121,16 @@ class ModelRunner:
             if not row.is_continued:
                 self.resources.allocate(row.slot)
         self.resources.check_allocated(plan.decode_slots)
-        inputs = prepare_inputs(plan, self.device)
+        schedule = None  # per-row K
+        if plan.draft_counts is not None or plan.draft_limits is not None:
+            schedule = draft_schedule(plan, self.K)
+        inputs = prepare_inputs(plan, self.device, schedule)
         start_event = None
         if self.device.type == "cuda":
             start_event = torch.cuda.Event(enable_timing=True)
             start_event.record()
         with no_host_sync(self.check_host_sync):
-            tokens, num_emitted, logprobs, prompt = self._run(plan, inputs)
+            tokens, num_emitted, logprobs, prompt = self._run(plan, inputs, schedule)
             drafts = self._drafts_for_grammar(plan, inputs) if plan.use_grammar else None
         execute_s = time.perf_counter() - start
         output = send_back(plan.step_id, tokens, num_emitted, execute_s, logprobs, prompt, drafts)
@@ -139,7 +144,7 @@ class ModelRunner:
         slots, K = inputs["plan_slots"], max(self.K, 0)
         return self.state.drafts[slots, :K], self.state.siblings[slots, :, :K]
 
-    def _run(self, plan: StepPlan, inputs: dict) -> tuple:
+    def _run(self, plan: StepPlan, inputs: dict, schedule: DraftSchedule | None) -> tuple:
         """-> tokens [rows, K+1], num_emitted [rows], with plan.num_logprobs the rows'
         log-probabilities (`token_logprobs`, each [rows, K+1, ...]) and with
         plan.num_prompt_logprobs the prefills' prompts' ones."""
@@ -157,12 +162,15 @@ class ModelRunner:
             parts.append(part)
             seeds.append(seed)
         if plan.decode_slots:
-            *part, seed = self.verifier.verify(plan, inputs["decode_slots"], self.graphs)
+            *part, seed = self.verifier.verify(plan, inputs, self.graphs, schedule)
             parts.append(part)
             seeds.append(seed)
         # None: no drafter, or the whole-step graph drafted already
         seeds = [s for s in seeds if s is not None]
-        if seeds:
+        if seeds and schedule is not None and schedule.chain_order is not None:
+            order = inputs["chain_order"]
+            self.proposer.chain_by_count(seeds, plan.kv_len, order, schedule.depth_rows)
+        elif seeds:
             self.proposer.chain(seeds, plan.kv_len, self.graphs.chain)
         if self.proposer is not None and self.proposer.constraint is not None:
             self.proposer.constraint.finish()

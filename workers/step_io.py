@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from speculative.config import MAX_LOGIT_BIAS, MAX_STOP_IDS
-from speculative.plan import StepPlan, StepResult
+from speculative.plan import DraftSchedule, StepPlan, StepResult
 from speculative.slot_state import SAMPLING_FIELDS
 
 
@@ -56,9 +56,13 @@ class StepOutput:
         )
 
 
-def prepare_inputs(plan: StepPlan, device: torch.device) -> dict[str, torch.Tensor]:
+def prepare_inputs(
+    plan: StepPlan, device: torch.device, schedule: DraftSchedule | None = None
+) -> dict[str, torch.Tensor]:
     """Every input built in (pinned) host tensors, then copied together, non-blocking."""
     host = {"decode_slots": torch.tensor(plan.decode_slots, dtype=torch.long)}
+    if schedule is not None:
+        host |= _draft_inputs(plan, schedule)
     if plan.prefills:
         host |= _prefill_inputs(plan)
     if plan.block_updates is not None:
@@ -74,6 +78,18 @@ def prepare_inputs(plan: StepPlan, device: torch.device) -> dict[str, torch.Tens
     }
 
 
+def _draft_inputs(plan: StepPlan, schedule: DraftSchedule) -> dict[str, torch.Tensor]:
+    """Per-row K: each decode row's verify limit, the decode rows that draft, the chain's rows."""
+    host = {}
+    if plan.draft_limits is not None:
+        host["draft_limits"] = torch.tensor(plan.draft_limits, dtype=torch.long)
+    if schedule.drafting is not None:
+        host["drafting_rows"] = torch.tensor(schedule.drafting, dtype=torch.long)
+    if schedule.chain_order is not None:
+        host["chain_order"] = torch.tensor(schedule.chain_order, dtype=torch.long)
+    return host
+
+
 def _prefill_inputs(plan: StepPlan) -> dict[str, torch.Tensor]:
     rows = plan.prefills
     T = max(len(p.token_ids) for p in rows)
@@ -87,7 +103,6 @@ def _prefill_inputs(plan: StepPlan) -> dict[str, torch.Tensor]:
         "prefill_starts": torch.tensor([p.start for p in rows]),
         "prefill_next": torch.tensor([p.next_token for p in rows]),
         "prefill_seeds": torch.tensor([p.seed for p in rows]),
-        "prefill_num_draft_tokens": torch.tensor([p.num_draft_tokens for p in rows]),
     }
     for name, dtype, _ in SAMPLING_FIELDS:
         host[f"prefill_{name}"] = torch.tensor([getattr(p.params, name) for p in rows], dtype=dtype)

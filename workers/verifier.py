@@ -8,6 +8,7 @@ the first draft) as CUDA graphs; the others replay `target_pass`'s graph and ver
 (`eager`)."""
 
 import torch
+import torch.nn.functional as F
 
 from speculative.draft_tree import tree_layout
 from speculative.plan import StepPlan
@@ -41,49 +42,74 @@ class Verifier:
         self.node_depth, self.tree_sees = depth.to(self.device), sees.to(self.device)
         self.T = depth.shape[0]  # tokens per row in the verify pass
 
-    def verify(self, plan: StepPlan, slots: torch.Tensor, graphs: StepGraphSet):
+    def verify(self, plan: StepPlan, inputs: dict, graphs: StepGraphSet, schedule=None):
         """-> tokens [B, K+1], num_emitted [B], logprobs or None, and what the draft chain
-        continues from (None without a drafter or when the whole-step graph drafted already)."""
-        graph, logprobs = graphs.verify, None
+        continues from (None without a drafter, when no row drafts, or when the whole-step graph
+        drafted already). With per-row K (`schedule`, a DraftSchedule) a chain's pass holds only
+        the most drafts any row has, and only the rows that draft run the first draft forward."""
+        slots, graph, logprobs = inputs["decode_slots"], graphs.verify, None
+        width = self.K if schedule is None or self.M else schedule.verify_width
         if graph is not None and plan.graphable and graph.fits(slots.shape[0], plan.kv_len):
             tokens, emitted, base, path = graph(slots, kv_len=plan.kv_len)
             if self.whole_step:
                 return tokens, emitted, None, None
         else:
+            target_graphs = graphs.target_pass if width == self.K else None
+            limits = inputs.get("draft_limits")
             tokens, emitted, base, path, logprobs = self.eager(
-                plan, slots, plan.kv_len, graphs.target_pass
+                plan, slots, plan.kv_len, target_graphs, width, limits
             )
-        if self.proposer is None:
-            return tokens, emitted, logprobs, None
+        padded, logprobs = self._padded(tokens, logprobs)
+        if self.proposer is None or (schedule is not None and schedule.drafting == []):
+            return padded, emitted, logprobs, None
+        rows = inputs.get("drafting_rows")  # None: all of them
+        T = self.T if width == self.K else width + 1
         last, first_draft = self.proposer.after_verify(
-            slots, tokens, emitted, base, path, plan.kv_len, self.T
+            slots, tokens, emitted, base, path, plan.kv_len, T, rows
         )
-        return tokens, emitted, logprobs, DraftSeed(slots, last, base + emitted - 1, first_draft)
+        ends = base + emitted - 1
+        if rows is not None:
+            slots, ends = slots[rows], ends[rows]
+        return padded, emitted, logprobs, DraftSeed(slots, last, ends, first_draft)
 
-    def target_pass(self, slots: torch.Tensor, kv_len: int):
+    def _padded(self, tokens: torch.Tensor, logprobs: tuple | None) -> tuple:
+        """A narrower verify pass's tokens [B, w+1] and logprobs, padded to K+1 columns."""
+        pad = self.K + 1 - tokens.shape[1]
+        if not pad:
+            return tokens, logprobs
+        if logprobs is not None:
+            chosen, top_ids, top_values = logprobs
+            wide = (0, 0, 0, pad)
+            logprobs = (F.pad(chosen, (0, pad)), F.pad(top_ids, wide), F.pad(top_values, wide))
+        return F.pad(tokens, (0, pad)), logprobs
+
+    def target_pass(self, slots: torch.Tensor, kv_len: int, width: int | None = None):
         """The target's forward over each row's draft tree (the pending token, the drafts, their
         siblings), writing its K/V and the drafter's features. -> final hidden states [B, T, H],
-        the tree's tokens [B, T], the position of the pending token before the step [B]."""
-        K, M, B, state = self.K, self.M, slots.shape[0], self.state
+        the tree's tokens [B, T], the position of the pending token before the step [B]. A
+        chain's pass may hold fewer drafts (`width` < K, per-row K): T = width + 1."""
+        M, B, state = self.M, slots.shape[0], self.state
+        K = self.K if width is None else width
+        T = self.T if K == self.K else K + 1
         base = state.num_computed[slots]  # [B]
         drafts = [state.drafts[slots, :K]]
         if M:
             drafts.append(state.siblings[slots, :, :K].flatten(1))
         ids = torch.cat([state.last_token[slots].unsqueeze(1), *drafts], dim=1)  # [B, T]
         valid = torch.ones_like(ids, dtype=torch.bool)
-        positions = base.unsqueeze(1) + self.node_depth  # [B, T]; a chain's rows: its positions
+        positions = base.unsqueeze(1) + self.node_depth[:T]  # [B, T]; a chain's: its positions
         if M:
             rows = base.unsqueeze(1) + torch.arange(self.T, device=self.device)
             batch = self.kv.batch(slots, positions, valid, kv_len, rows, self.tree_sees)
         else:
             batch = self.kv.batch(slots, positions, valid, kv_len)
-        features = self.resources.feature_view(B, self.T) if self.proposer is not None else None
+        features = self.resources.feature_view(B, T) if self.proposer is not None else None
         hidden, _ = self.target(ids, batch, features)
         return hidden, ids, base
 
-    def _split_tree(self, ids: torch.Tensor):
+    def _split_tree(self, ids: torch.Tensor, K: int | None = None):
         """The verify pass's tokens [B, T] -> drafts [B, K], siblings [B, M, K] or None."""
-        K, M = self.K, self.M
+        K, M = self.K if K is None else K, self.M
         siblings = ids[:, K + 1 :].reshape(ids.shape[0], M, K) if M else None
         return ids[:, 1 : K + 1], siblings
 
@@ -96,23 +122,31 @@ class Verifier:
         self._after_verify(slots, tokens, emitted, base, path)
         return tokens, emitted, base, path
 
-    def eager(self, plan: StepPlan, slots: torch.Tensor, kv_len: int, graphs: StepGraphs | None):
-        """Verification with sampling, penalties, bias, min_tokens or logprobs, after the
+    def eager(
+        self,
+        plan: StepPlan,
+        slots: torch.Tensor,
+        kv_len: int,
+        graphs: StepGraphs | None,
+        width: int | None = None,
+        limit: torch.Tensor | None = None,
+    ):
+        """Verification with sampling, penalties, bias, min_tokens, logprobs or per-row K (each
+        row accepting at most its `limit` [B] drafts, in a pass of `width` drafts), after the
         target pass (replayed from its graphs where one fits). -> `greedy`'s outputs and the
         logprobs or None."""
-        K, B = self.K, slots.shape[0]
+        K, B = self.K if width is None else width, slots.shape[0]
         if graphs is not None and graphs.fits(B, kv_len):
             hidden, ids, base = graphs(slots, kv_len=kv_len)
         else:
-            hidden, ids, base = self.target_pass(slots, kv_len)
-        drafts, siblings = self._split_tree(ids)
-        positions = base.unsqueeze(1) + self.node_depth  # [B, T] each node's position
+            hidden, ids, base = self.target_pass(slots, kv_len, K)
+        T = ids.shape[1]
+        drafts, siblings = self._split_tree(ids, K)
+        positions = base.unsqueeze(1) + self.node_depth[:T]  # [B, T] each node's position
         raw_logits = self.target.logits(hidden)  # [B, T, V]
         # node i's logits choose the token at its position + 1
-        logits = process_logits(
-            plan, self.state, raw_logits, slots, positions + 1, ids, self.tree_sees
-        )
-        limit = self.state.draft_limit[slots] if plan.use_draft_limits else None
+        sees = self.tree_sees[:T, :T]
+        logits = process_logits(plan, self.state, raw_logits, slots, positions + 1, ids, sees)
         if plan.all_greedy:
             tokens, emitted, path = verify_greedy(logits.argmax(-1), drafts, siblings, limit)
         else:
@@ -139,7 +173,8 @@ class Verifier:
             self.kv.move_target_rows(slots, into, base + node, base + last)
         self.state.advance(slots, tokens[rows, last], base + emitted)
         # past the emitted ones: overwritten before being read
-        self.state.record(slots, base.unsqueeze(1) + self.node_depth[: self.K + 1] + 1, tokens)
+        width = tokens.shape[1]
+        self.state.record(slots, base.unsqueeze(1) + self.node_depth[:width] + 1, tokens)
 
     def decode_step(self, slots: torch.Tensor, kv_len: int):
         """A whole greedy decode step as one CUDA graph (`graph_first_draft`): verify pass,

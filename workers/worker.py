@@ -115,6 +115,7 @@ class TPWorker:
             "max_model_len": runner.max_model_len,
             "num_blocks": runner.num_blocks,
             "block_size": runner.block_size,
+            "step_costs": runner.step_costs,
         }
 
     def ping(self) -> bool:

@@ -91,7 +91,6 @@ class PrefillPlanner:
         row.num_resumed, row.start = len(r.prefill_ids) - len(r.prompt_ids), start
         row.next_token = r.prefill_ids[end] if end < len(r.prefill_ids) else -1
         row.is_continued = is_continued
-        row.num_draft_tokens = r.num_draft_tokens
         row.output_from = len(r.prompt_ids) - r.params.prior_output_tokens
         if r.params.has_penalties and not is_continued:
             row.cached_ids = r.prefill_ids[:start]

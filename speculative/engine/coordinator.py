@@ -109,6 +109,8 @@ class Coordinator:
             "draft_proposed": s.num_draft_proposed,
             "draft_accepted": s.num_draft_accepted,
             "accepted_at": list(s.accepted_at),
+            # num_draft_tokens auto: the steps that chose each K, 0 first
+            "auto_steps_by_k": list(self.engine.scheduler.tuner.num_steps_by_k),
             "healthy": self.error is None,
             "scheduler": self.engine.scheduler.metrics(),
         }

@@ -106,6 +106,7 @@ class RayExecutor:
         self.num_slots = infos[0]["num_slots"]
         self.max_model_len = infos[0]["max_model_len"]
         self.num_blocks, self.block_size = infos[0]["num_blocks"], infos[0]["block_size"]
+        self.step_costs = infos[0]["step_costs"]
         self.plans = []
         for addr in plan_addrs:
             sock = self.ctx.socket(zmq.PUSH)

@@ -27,6 +27,7 @@ class RequestIntake:
         prefill: PrefillPlanner,
     ):
         self.max_model_len, self.k = max_model_len, k
+        self.auto_k = False  # requests that leave num_draft_tokens unset get "auto"
         self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer
         self.seeds = itertools.count(seed * 1_000_003 + 1)
@@ -52,7 +53,8 @@ class RequestIntake:
             and len(self.eos_token_ids | set(params.stop_token_ids)) > MAX_STOP_IDS
         ):
             raise RequestError(f"min_tokens holds back at most {MAX_STOP_IDS} EOS and stop tokens")
-        if (params.num_draft_tokens or 0) > self.k:
+        k = params.num_draft_tokens
+        if k != "auto" and (k or 0) > self.k:
             raise RequestError(
                 f"speculative.num_draft_tokens ({params.num_draft_tokens}) exceeds this server's "
                 f"{self.k} draft tokens per step"
@@ -98,7 +100,10 @@ class RequestIntake:
             request_id, list(prompt_ids), params, seed, stops_after=None if params.min_tokens else 0
         )
         k = params.num_draft_tokens
-        request.num_draft_tokens = self.k if k is None else k
+        if k is None:
+            k = "auto" if self.auto_k else self.k
+        request.is_auto_k = k == "auto" and self.k > 0
+        request.num_draft_tokens = self.k if k == "auto" else k
         if params.structured is not None:
             request.grammar = self._grammar_for(params)
             if params.reasoning_end is not None:

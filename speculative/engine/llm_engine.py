@@ -72,6 +72,8 @@ class LLMEngine:
                 cfg.enable_prefix_caching and not cfg.prompt_lookup,
             ),
             policy=cfg.scheduling_policy,
+            auto_k=cfg.is_auto_k,
+            step_costs=getattr(executor, "step_costs", None),
         )
         self.in_flight = deque()  # (plan, handle), oldest first
         self.overlap = cfg.overlap  # may be switched between runs (benchmarks)

@@ -39,6 +39,9 @@ class Request:
     stops_after: int | None = 0
     ends_with_stop_token: bool = False  # the last output token is the EOS or stop token
     num_draft_tokens: int = 0  # drafts verified per step: the request's K, at most the engine's
+    is_auto_k: bool = False  # its K is each step's the engine picks, up to num_draft_tokens
+    num_pending_drafts: int = 0  # the drafts its last planned step made: its next verify's
+    acceptance: object = None  # auto: its DecayedAcceptance (speculative/engine/draft_tuner.py)
     # structured outputs: the grammar's state after the output, and the drafts [K] and siblings
     # [M][K] that the last step proposed (the next step's masks follow them)
     grammar: "RequestGrammar | ReasoningGrammar | None" = None

@@ -20,6 +20,7 @@ from speculative.config import SamplingParams
 from speculative.engine.block_manager import BlockManager
 from speculative.engine.chunked_prefill import PrefillPlanner
 from speculative.engine.detokenizer import append_tokens, detokenize
+from speculative.engine.draft_tuner import DraftTuner
 from speculative.engine.intake import RequestIntake
 from speculative.engine.request import Request, RequestError, RequestOutput, StepStats, row_logprobs
 from speculative.engine.request_blocks import RequestBlocks
@@ -44,6 +45,8 @@ class Scheduler:
         tree_rows: int = 0,
         blocks: BlockManager | None = None,
         policy: str = "fcfs",  # EngineConfig.scheduling_policy
+        auto_k: bool = False,  # EngineConfig.num_draft_tokens "auto": requests' default
+        step_costs: dict | None = None,  # the runner's profiled decode steps (draft_tuner.py)
     ):
         self.num_slots, self.max_model_len, self.k = num_slots, max_model_len, k
         # KV rows a verify pass writes past the chain (the draft tree's siblings)
@@ -65,6 +68,8 @@ class Scheduler:
         self.intake = RequestIntake(
             max_model_len, k, eos_token_ids, tokenizer, seed, vocab_size, self.kv, self.prefill
         )
+        self.intake.auto_k = auto_k
+        self.tuner = DraftTuner(k, step_costs)
 
     # ---- admission ----
 
@@ -170,13 +175,33 @@ class Scheduler:
             decode_slots=[r.slot for r in decodes],
             free_slots=self.slots_to_release,
             kv_len=-(-span // 64) * 64,
-            **step_flags(rows, prefills, self.k),
+            **step_flags(rows, prefills),
         )
         plan.block_updates = updates
+        if self.k:
+            self._add_draft_counts(plan, rows, decodes)
         self._add_grammar_masks(plan, rows)
         self.slots_to_release = []
         self.rows_of_step[step_id] = [r.request_id for r in rows]
         return plan
+
+    def _add_draft_counts(self, plan: StepPlan, rows: list[Request], decodes: list[Request]):
+        """Per-row K: each row drafts its own K (auto rows the tuner's pick for the step), and
+        each decode row's verify checks what its previous step drafted. Lists only where some
+        row differs from the engine's K."""
+        limits = [r.num_pending_drafts for r in decodes]
+        auto = [r for r in rows if r.is_auto_k]
+        k_auto = 0
+        if auto:
+            fixed = [r for r in rows if not r.is_auto_k]
+            k_auto = self.tuner.choose(auto, fixed, len(rows))
+        counts = [k_auto if r.is_auto_k else r.num_draft_tokens for r in rows]
+        for r, count in zip(rows, counts):
+            r.num_pending_drafts = count
+        if any(c != self.k for c in counts):
+            plan.draft_counts = counts
+        if any(n != self.k for n in limits):
+            plan.draft_limits = limits
 
     def _add_grammar_masks(self, plan: StepPlan, rows: list[Request]) -> None:
         """The mask rows of the plan's constrained rows, after their output and drafts
@@ -206,6 +231,11 @@ class Scheduler:
         )
         outputs = []
         num_prefills = len(plan.prefills)
+        if self.k and not plan.prefills:
+            counts = plan.draft_counts
+            k = max(counts) if counts else self.k
+            seconds = max(result.execute_s, result.device_s)
+            self.tuner.observe_cost(len(plan.decode_slots), k, seconds)
         for row, request_id in enumerate(self.rows_of_step.pop(plan.step_id)):
             r = self.running[request_id]
             r.in_flight -= 1
@@ -218,7 +248,9 @@ class Scheduler:
                 r.num_confirmed = prefill.start + len(prefill.token_ids)
                 self._score_prompt(r, row, prefill, result)
             else:
-                outputs.append(self._emit(r, row, prefill, result))
+                limits = plan.draft_limits
+                limit = limits[row - num_prefills] if limits and not prefill else self.k
+                outputs.append(self._emit(r, row, prefill, result, limit))
             if r.is_finished or r.is_preempted:
                 # once no step holds it; finished (even if preempted) it leaves, never requeued
                 if r.in_flight == 0 and r.slot is not None:  # _finish may have released it
@@ -227,13 +259,16 @@ class Scheduler:
                 self.kv.confirm(r)
         return outputs
 
-    def _emit(self, r: Request, row: int, prefill: PrefillRow | None, result) -> RequestOutput:
-        """The tokens a row emitted: a verify row's (prefill None), or a prefill's last chunk's."""
+    def _emit(
+        self, r: Request, row: int, prefill: PrefillRow | None, result, limit: int
+    ) -> RequestOutput:
+        """The tokens a row emitted: a verify row's (prefill None), which verified `limit`
+        drafts, or a prefill's last chunk's."""
         if prefill is not None:
             r.num_confirmed = len(r.prefill_ids)
         emitted = int(result.num_emitted[row])
         if prefill is None:
-            self._count_acceptance(r, emitted)
+            self._count_acceptance(r, emitted, limit)
         logprobs = None
         if r.params.logprobs is not None:  # no call for the many rows that want none
             arrays = (result.logprobs, result.top_ids, result.top_logprobs)
@@ -277,15 +312,16 @@ class Scheduler:
             siblings = result.siblings[row].tolist() if result.siblings is not None else []
             r.drafts = (result.drafts[row].tolist(), siblings)
 
-    def _count_acceptance(self, r: Request, emitted: int) -> None:
-        """Only drafts that were verified count: none for a request that speculates with K=0,
-        its own K for one that lowered it."""
-        if not r.num_draft_tokens:
+    def _count_acceptance(self, r: Request, emitted: int, limit: int) -> None:
+        """Only drafts that were verified count: none for a row that verified none (K=0), its
+        own K's for one that lowered it."""
+        if not limit:
             return
+        self.tuner.observe(r, emitted - 1, limit)
         r.num_verify_steps += 1
         r.num_verify_emitted += emitted
         self.stats.num_verify_rows += 1
-        self.stats.num_draft_proposed += r.num_draft_tokens
+        self.stats.num_draft_proposed += limit
         self.stats.num_draft_accepted += emitted - 1
         for j in range(emitted - 1):
             self.stats.accepted_at[j] += 1
