@@ -46,8 +46,9 @@ def plot(runs: list[dict], path: Path) -> bool:
         print("matplotlib is not installed: no plot")
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    keys = sorted(
-        {(r["mode"], r["k"], r.get("siblings", 0), r["cuda_graphs"], r["overlap"]) for r in runs}
+    keys = sorted(  # K may be "auto", after the numbers
+        {(r["mode"], r["k"], r.get("siblings", 0), r["cuda_graphs"], r["overlap"]) for r in runs},
+        key=lambda key: (key[0], str(key[1]).rjust(4), *key[2:]),
     )
     for mode, k, m, g, o in keys:
         pts = sorted(

