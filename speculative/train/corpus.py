@@ -71,11 +71,15 @@ def synthesize_data(cfg: TrainConfig, estimate: bool = True) -> dict:
     synth = cfg.synthesize
     path = cfg.data_dir / CORPUS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    engine = synthesis_engine(cfg.model, cfg.device, synth)
-    if estimate:
-        print_estimate(engine, cfg, len(read_corpus(path)))
-    summary = Synthesizer(engine, synth).run(path)
-    del engine
+    num_done = len(read_corpus(path))
+    if num_done >= synth.num_conversations:  # no engine to start
+        summary = {"num_conversations": num_done, "is_complete": True}
+    else:
+        engine = synthesis_engine(cfg.model, cfg.device, synth)
+        if estimate:
+            print_estimate(engine, cfg, num_done)
+        summary = Synthesizer(engine, synth).run(path)
+        del engine
     if summary["is_complete"] and not data_parts(cfg.data_dir):
         from workers.models.loader import load_tokenizer, resolve_model
 
