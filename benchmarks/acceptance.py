@@ -1,8 +1,11 @@
-"""Mean acceptance length (1 + accepted drafts per target forward) of a drafter on the EAGLE
-benchmark sets and GSM8K test, chat template applied, for several K and temperatures.
+"""Mean acceptance length (1 + accepted drafts per target forward) of one or more drafters,
+side by side, on the EAGLE benchmark sets, GSM8K test and the held-out writing and code sets
+(deployments/data/heldout: in no training set), chat template applied, for several K and
+temperatures.
 
     python benchmarks/acceptance.py --drafter speculative/drafters/smollm2-135m --k 3 5 \
         --temperatures 0 0.7 --output benchmarks/acceptance.json
+    python benchmarks/acceptance.py --drafter default drafters/mine --k 3 --temperatures 0
 """
 
 import argparse
@@ -14,16 +17,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from deployments.bench import EAGLE_SETS, eagle_set, load_prompts  # noqa: E402
+from deployments.bench import (  # noqa: E402
+    EAGLE_SETS,
+    HELDOUT_SETS,
+    eagle_set,
+    heldout_set,
+    load_prompts,
+)
 from speculative.config import EngineConfig, SamplingParams  # noqa: E402
 from speculative.engine.llm_engine import LLMEngine, encode_prompt  # noqa: E402
 
 
-def load_sets(num_gsm8k_test: int, names=EAGLE_SETS) -> dict[str, list[str]]:
-    """The shipped EAGLE sets (every question) and the first GSM8K test questions, by name."""
+def load_sets(
+    num_gsm8k_test: int, names=EAGLE_SETS, heldout=HELDOUT_SETS, num_heldout: int = 0
+) -> dict[str, list[str]]:
+    """The shipped EAGLE sets (every question), the first GSM8K test questions and the first
+    `num_heldout` (0: all) of each held-out set, by name."""
     sets = {f"eagle_{name}": load_prompts(str(eagle_set(name)), 0) for name in names}
     if num_gsm8k_test:
         sets["gsm8k_test"] = load_prompts(None, num_gsm8k_test)
+    for name in heldout:
+        sets[f"heldout_{name}"] = load_prompts(str(heldout_set(name)), num_heldout)
     return sets
 
 
@@ -54,7 +68,12 @@ def main(argv=None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--drafter", default="default")
+    p.add_argument(
+        "--drafter",
+        nargs="+",
+        default=["default"],
+        help="drafters to compare, side by side (default, or directories)",
+    )
     p.add_argument("--k", type=int, nargs="+", default=[3, 5])
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     p.add_argument("--max-tokens", type=int, default=256)
@@ -63,6 +82,16 @@ def main(argv=None) -> None:
         "--sets", nargs="+", default=list(EAGLE_SETS), choices=EAGLE_SETS, help="EAGLE sets to run"
     )
     p.add_argument("--num-gsm8k-test", type=int, default=200, help="GSM8K test questions (0: none)")
+    p.add_argument(
+        "--heldout-sets",
+        nargs="*",
+        default=list(HELDOUT_SETS),
+        choices=HELDOUT_SETS,
+        help="held-out sets to run (none: no flag values)",
+    )
+    p.add_argument(
+        "--num-heldout", type=int, default=0, help="prompts of each held-out set (0: all)"
+    )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument(
         "--prompt-lookup", type=float, default=0.0, help="EngineConfig.prompt_lookup (0: off)"
@@ -76,14 +105,14 @@ def main(argv=None) -> None:
     )
     p.add_argument("--output", type=Path, help="results JSON")
     args = p.parse_args(argv)
-    sets = load_sets(args.num_gsm8k_test, args.sets)
+    sets = load_sets(args.num_gsm8k_test, args.sets, args.heldout_sets, args.num_heldout)
     results = []
-    for k, siblings in itertools.product(args.k, args.siblings):
+    for drafter, k, siblings in itertools.product(args.drafter, args.k, args.siblings):
         # the runner pads a prefill batch to its longest prompt, so budget for the padded size
         engine = LLMEngine(
             EngineConfig(
                 model=args.model,
-                drafter=args.drafter,
+                drafter=drafter,
                 num_draft_tokens=k,
                 max_batch_size=args.max_batch_size,
                 max_model_len=2048,
@@ -102,6 +131,7 @@ def main(argv=None) -> None:
             for name, prompts in encoded.items():
                 row = {
                     "set": name,
+                    "drafter": drafter,
                     "k": k,
                     "siblings": siblings,
                     "temperature": temperature,
@@ -117,7 +147,7 @@ def main(argv=None) -> None:
             json.dumps(
                 {
                     "model": args.model,
-                    "drafter": args.drafter,
+                    "drafters": args.drafter,
                     "max_tokens": args.max_tokens,
                     "prompt_lookup": args.prompt_lookup,
                     "results": results,
@@ -128,23 +158,42 @@ def main(argv=None) -> None:
 
 
 def print_table(results: list[dict]) -> None:
-    columns = sorted({(r["k"], r.get("siblings", 0), r["temperature"]) for r in results})
+    """One row per set; a column per (drafter, K, siblings, temperature)."""
+    labels = drafter_labels(list(dict.fromkeys(r.get("drafter", "") for r in results)))
+
+    def column(r):
+        return (r.get("drafter", ""), r["k"], r.get("siblings", 0), r["temperature"])
+
+    columns = list(dict.fromkeys(column(r) for r in sorted(results, key=_column_order)))
     names = list(dict.fromkeys(r["set"] for r in results))
     print(
         "| set | "
-        + " | ".join(f"K={k}{f' M={m}' if m else ''} T={t:g}" for k, m, t in columns)
+        + " | ".join(
+            f"{labels[d] + ' ' if len(labels) > 1 else ''}K={k}{f' M={m}' if m else ''} T={t:g}"
+            for d, k, m, t in columns
+        )
         + " |"
     )
     print("|---|" + "---|" * len(columns))
     for name in names:
-        cells = {
-            (r["k"], r.get("siblings", 0), r["temperature"]): r["acceptance_length"]
-            for r in results
-            if r["set"] == name
-        }
+        cells = {column(r): r["acceptance_length"] for r in results if r["set"] == name}
         print(
             f"| {name} | " + " | ".join(f"{cells.get(c, float('nan')):.2f}" for c in columns) + " |"
         )
+
+
+def _column_order(r: dict):
+    # side by side: the drafters' columns of one (K, siblings, temperature) next to each other
+    return (r["k"], r.get("siblings", 0), r["temperature"])
+
+
+def drafter_labels(drafters: list[str]) -> dict[str, str]:
+    """Short names: a directory's last part (its index where two share one)."""
+    names = [Path(d).name or d for d in drafters]
+    return {
+        d: name if names.count(name) == 1 else f"{name}#{i}"
+        for i, (d, name) in enumerate(zip(drafters, names))
+    }
 
 
 if __name__ == "__main__":

@@ -27,6 +27,22 @@ def eagle_set(name: str) -> Path:
     return DATA / "eagle_bench" / f"{name}.jsonl.gz"
 
 
+HELDOUT_SETS = ("writing", "code")  # data/heldout: in no training set (data/PROVENANCE.md)
+
+
+def heldout_set(name: str) -> Path:
+    return DATA / "heldout" / f"{name}.jsonl.gz"
+
+
+def heldout_files() -> list[Path]:
+    return [heldout_set(name) for name in HELDOUT_SETS]
+
+
+def benchmark_files() -> list[Path]:
+    """Every prompt set shipped here: what training data is decontaminated against."""
+    return [GSM8K_TEST] + [eagle_set(name) for name in EAGLE_SETS] + heldout_files()
+
+
 def load_prompts(path: str | None, num: int) -> list[str]:
     """The first `num` prompts (0: all) of the shipped GSM8K test questions by default, else of any
     JSONL(.gz) whose rows hold prompt, question or turns[0]."""

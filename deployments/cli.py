@@ -161,6 +161,10 @@ def cmd_train_drafter(args) -> None:
                 "max_steps": args.max_steps,
                 "draft_vocab_size": args.draft_vocab_size,
                 "ttt_steps": args.ttt_steps,
+                "lr": args.lr,
+                "num_epochs": args.epochs,
+                "checkpoint_every": args.checkpoint_every,
+                "eval_prompt_files": args.eval_prompts,
                 "time_limit_s": args.time_limit,
                 "init_from": args.init_from,
                 "device": args.device,
@@ -181,8 +185,31 @@ def cmd_train_drafter(args) -> None:
     }
     if distill:
         fields["distill"] = {**fields.get("distill", {}), **distill}
+    _synthesis_fields(args, fields)
     summary = train_drafter(TrainConfig(**fields), distill_only=args.distill_only)
     print(json.dumps(summary), file=sys.stderr)
+
+
+def _synthesis_fields(args, fields: dict) -> None:
+    """--synthesize's settings, decontaminated against every benchmark set shipped here; the
+    acceptance at the end on the held-out sets unless --eval-prompts says otherwise."""
+    from deployments.bench import benchmark_files, heldout_files
+
+    synth = {
+        k: v
+        for k, v in {
+            "num_conversations": args.synthesize,
+            "time_limit_s": args.synthesize_time_limit,
+            "kinds": args.kinds,
+        }.items()
+        if v is not None
+    }
+    if not synth and fields.get("synthesize") is None:
+        return
+    synth = {**(fields.get("synthesize") or {}), **synth}
+    synth.setdefault("decontaminate_files", [str(f) for f in benchmark_files()])
+    fields["synthesize"] = synth
+    fields.setdefault("eval_prompt_files", [str(f) for f in heldout_files()])
 
 
 COMMANDS = {

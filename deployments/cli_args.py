@@ -46,14 +46,30 @@ def _train_parser(sub) -> None:
     )
     opt(
         "--distill-only",
+        "--data-only",
+        dest="distill_only",
         action="store_true",
-        help="distil one more part of data, continuing the prompt order, and stop",
+        help="distil one more part of data, continuing the prompt order (with --synthesize: "
+        "continue the corpus), and stop",
     )
+    opt(
+        "--synthesize",
+        type=int,
+        metavar="N",
+        help="no dataset: the target writes N conversations itself, user turns too, "
+        "then trains on them (a rerun continues the corpus)",
+    )
+    opt("--synthesize-time-limit", type=float, help="seconds of synthesis; then stop (resumable)")
+    opt("--kinds", nargs="+", help="kinds of request to synthesize (default: all)")
+    opt("--eval-prompts", nargs="+", help="JSONL(.gz) prompts of the acceptance printed at the end")
     opt("--prompts", nargs="+", help="JSONL(.gz) prompt files for self-distillation")
     opt("--num-prompts", type=int, help="prompts to self-distil")
     opt("--max-steps", type=int, help="training steps at most")
     opt("--draft-vocab-size", type=int, help="tokens the drafter can propose")
     opt("--ttt-steps", type=int, help="unrolled draft steps")
+    opt("--lr", type=float, help="peak learning rate")
+    opt("--epochs", type=float, help="passes over the data (sets the steps; over --max-steps)")
+    opt("--checkpoint-every", type=int, help="steps between checkpoints")
     opt(
         "--init-from",
         help="drafter directory to start from (its weights, and its head rows "

@@ -5,6 +5,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from speculative.train.synth_config import SynthConfig
+
 
 class DistillConfig(BaseModel):
     """Self-distillation: the target regenerates responses to training prompts."""
@@ -58,6 +60,12 @@ class TrainConfig(BaseModel):
     # tokens that the new draft vocabulary (picked from the data) also holds
     init_from: str | None = None
     distill: DistillConfig = DistillConfig()
+    # the data written by the target itself, user turns too (no prompt files): see SynthConfig
+    synthesize: SynthConfig | None = None
+    # prompts (JSONL(.gz), as distill's) of the acceptance printed after training; none: no check
+    eval_prompt_files: list[str] = Field(default_factory=list)
+    eval_num_prompts: int = Field(32, ge=1)
+    eval_max_tokens: int = Field(128, ge=1)
     draft_vocab_size: int = Field(4096, ge=2)
     ttt_steps: int = Field(5, ge=1, le=16)  # unrolled draft steps (K at inference <= this)
     step_decay: float = Field(0.8, gt=0.0, le=1.0)  # loss weight of step j is decay**j
@@ -69,6 +77,8 @@ class TrainConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float = Field(0.5, gt=0.0)
     max_steps: int = Field(2000, ge=1)
+    # passes over the data: the steps they take, at most max_steps (None: max_steps decides)
+    num_epochs: float | None = Field(None, gt=0)
     batch_tokens: int = Field(32768, ge=16)  # padded tokens per batch
     # longer sequences are cut (4096: the trainer's rotary tables)
     max_seq_len: int = Field(1536, ge=8, le=4096)

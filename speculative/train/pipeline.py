@@ -2,6 +2,7 @@
 `distill_only`), then train and export the drafter."""
 
 import gc
+import json
 import logging
 import time
 from pathlib import Path
@@ -80,7 +81,10 @@ def distill(cfg: TrainConfig) -> TokenStore:
 
 def train_drafter(cfg: TrainConfig, distill_only: bool = False) -> dict:
     """Distil when the data directory is empty, then train; with `distill_only`, add the parts of
-    one more distillation run and stop (returns what the directory then holds)."""
+    one more distillation run and stop (returns what the directory then holds). With
+    `cfg.synthesize`, the target writes the data itself instead (`train_on_synthesized`)."""
+    if cfg.synthesize is not None:
+        return train_on_synthesized(cfg, data_only=distill_only)
     if distill_only or not data_parts(cfg.data_dir):
         if not distill_only:
             check_config(cfg)  # its errors now, not after minutes of distilling
@@ -96,7 +100,35 @@ def train_drafter(cfg: TrainConfig, distill_only: bool = False) -> dict:
             "num_sequences": len(data),
             "num_response_tokens": int(data.lengths.sum() - data.prompt_lens.sum()),
         }
+    return train_and_evaluate(cfg)
+
+
+def train_on_synthesized(cfg: TrainConfig, data_only: bool = False) -> dict:
+    """Synthesize (continuing the corpus an earlier run began) until the corpus is complete, then
+    train. A run that the synthesis time limit stops returns before training: run it again."""
+    from speculative.train.corpus import synthesize_data
+
+    if not data_parts(cfg.data_dir):
+        check_config(cfg)  # its errors now, not after minutes of synthesis
+        synthesis = synthesize_data(cfg)
+        if not synthesis["is_complete"]:
+            log.warning("the corpus is not complete yet: run again to continue it")
+        if data_only or not synthesis["is_complete"]:
+            return {"synthesis": synthesis}
+    elif data_only:
+        return {"synthesis": {"is_complete": True, "num_sequences": len(load_data(cfg.data_dir))}}
+    return train_and_evaluate(cfg)
+
+
+def train_and_evaluate(cfg: TrainConfig) -> dict:
+    """Train, export, and (with eval_prompt_files) measure the exported drafter's acceptance."""
+    from speculative.train.evaluate import exported_acceptance
+
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     (out / "training_config.json").write_text(cfg.model_dump_json(indent=2))
-    return train(cfg)
+    summary = train(cfg)
+    if cfg.eval_prompt_files:
+        summary["acceptance"] = exported_acceptance(cfg)
+        (out / "training_summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

@@ -342,6 +342,10 @@ def train(cfg: TrainConfig) -> dict:
     schedule = (
         cfg.model_copy(update={"max_steps": state["max_steps"]}) if cfg.fit_steps_to_time else cfg
     )
+    if cfg.num_epochs is not None:  # every epoch has as many batches: their order differs only
+        num_batches = len(batches(store, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, 0))
+        epoch_steps = max(1, math.ceil(cfg.num_epochs * num_batches))
+        schedule = schedule.model_copy(update={"max_steps": min(schedule.max_steps, epoch_steps)})
     draft_to_target = (
         torch.arange(drafter.cfg.draft_vocab_size, device=device) + drafter.d2t
     ).long()
