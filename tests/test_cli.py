@@ -195,7 +195,7 @@ def test_bench_writes_table_and_json(tmp_path):
         (["--modes", "spec"], "--modes holds plain and/or eagle"),
         (["-k", "0"], "-k and --batch values must be >= 1"),
         (["--batch", "0,2"], "-k and --batch values must be >= 1"),
-        (["--batch", "two"], "-k, --batch and --draft-siblings take integers"),
+        (["--batch", "two"], "-k (or auto), --batch and --draft-siblings take integers"),
         (["--draft-siblings", "-1"], "--draft-siblings >= 0"),
     ],
 )
