@@ -71,3 +71,13 @@ def test_tuner_learns_costs_and_probes():
     for _ in range(30):  # drafting turns out dear at this batch size
         tuner.observe_cost(3, K, 50.0)
     assert tuner.choose([request], [], 3) < K
+
+
+def test_tuner_ignores_steps_without_timing():
+    """A result that measured no time (0 s) neither divides by zero nor zeroes the costs."""
+    tuner = DraftTuner(K)
+    tuner.observe_cost(1, 1, 0.0)
+    tuner.observe_cost(1, 1, 0.002)
+    tuner.observe_cost(1, 1, 0.0)
+    tuner.observe_cost(1, 1, 0.004)
+    assert tuner.step_cost(1, 1) > 0.002

@@ -77,8 +77,10 @@ class DraftTuner:
             request.acceptance.add(accepted, limit, DECAY_REQUEST)
 
     def observe_cost(self, batch: int, k: int, seconds: float) -> None:
+        if seconds <= 0:  # no timing (a result that measured none): nothing to learn from
+            return
         b = bucket(batch)
-        if (b, k) not in self.costs:
+        if self.costs.get((b, k), 0.0) <= 0:
             self.costs[b, k] = seconds
             return
         ratio = seconds / self.costs[b, k]
