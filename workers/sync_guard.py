@@ -22,7 +22,6 @@ def no_host_sync(enabled: bool = True):
     if not enabled:
         yield
         return
-    saved = {name: getattr(torch.Tensor, name) for name in _PATCHED}
 
     def refuse(name):
         def method(self, *args, **kwargs):
@@ -30,39 +29,35 @@ def no_host_sync(enabled: bool = True):
 
         return method
 
-    for name in _PATCHED:
-        setattr(torch.Tensor, name, refuse(name))
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    if cuda:
-        previous = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
-    try:
+    with _tensor_methods({name: refuse(name) for name in _PATCHED}, "error"):
         yield
-    finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
-        if cuda:
-            torch.cuda.set_sync_debug_mode(previous)
 
 
 @contextlib.contextmanager
 def allow_host_sync():
     """Inside a guarded step, the one place that must sync (workers/draft_grammar.py: drafts that
     follow a grammar, in steps with constrained rows only) does so here."""
-    patched = {name: getattr(torch.Tensor, name) for name in _PATCHED}
-    if patched == _ORIGINAL:  # not inside a guarded step
+    if {name: getattr(torch.Tensor, name) for name in _PATCHED} == _ORIGINAL:  # not guarded
         yield
         return
-    for name, method in _ORIGINAL.items():
+    with _tensor_methods(_ORIGINAL, "default"):
+        yield
+
+
+@contextlib.contextmanager
+def _tensor_methods(methods: dict, sync_debug_mode: str):
+    """torch.Tensor's `methods` and, on CUDA, this sync debug mode, until the block ends."""
+    saved = {name: getattr(torch.Tensor, name) for name in methods}
+    for name, method in methods.items():
         setattr(torch.Tensor, name, method)
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     if cuda:
         previous = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.set_sync_debug_mode(sync_debug_mode)
     try:
         yield
     finally:
-        for name, method in patched.items():
+        for name, method in saved.items():
             setattr(torch.Tensor, name, method)
         if cuda:
             torch.cuda.set_sync_debug_mode(previous)
