@@ -72,8 +72,20 @@ class StepPlan:
 
     @property
     def graphable(self) -> bool:
-        """Greedy, without log-probabilities, penalties, biases or min_tokens: the CUDA graphs' form
-        (the others replay only the target pass's graph and verify eagerly)."""
+        """`greedy_graphable`, every row drafting K and none constrained: the form of the verify
+        and whole-step graphs and of greedy prefill's."""
+        return (
+            self.greedy_graphable
+            and self.draft_counts is None
+            and not self.use_draft_limits
+            and not self.use_grammar
+        )
+
+    @property
+    def greedy_graphable(self) -> bool:
+        """Greedy, without log-probabilities, penalties, biases or min_tokens: the verify graphs'
+        form (verify_by_width's where rows have their own K or a grammar; the others replay only
+        the target pass's graph and verify eagerly)."""
         return (
             self.all_greedy
             and self.num_logprobs is None
@@ -81,9 +93,6 @@ class StepPlan:
             and not self.use_logit_bias
             and self.num_prompt_logprobs is None
             and not self.use_min_tokens
-            and self.draft_counts is None
-            and not self.use_draft_limits
-            and not self.use_grammar
         )
 
     @property

@@ -59,9 +59,17 @@ class SlotState:
         if plan.use_min_tokens and self.stops_from is None:
             self.stops_from = torch.zeros(n, dtype=torch.long, device=dev)
             self.stop_ids = torch.full((n, MAX_STOP_IDS), -1, dtype=torch.long, device=dev)
-        if plan.use_grammar and self.grammar_mask is None:
+        if plan.use_grammar:
+            self.allocate_grammar_mask()
+
+    def allocate_grammar_mask(self) -> torch.Tensor:
+        """Structured outputs' masks (all allowed), once: at the first constrained step, or
+        before the CUDA graphs that read them are captured."""
+        if self.grammar_mask is None:
+            n, V = self.last_token.shape[0], self.vocab_size
             shape = (n, self.num_nodes, -(-V // 32))
-            self.grammar_mask = torch.full(shape, -1, dtype=torch.int32, device=dev)
+            self.grammar_mask = torch.full(shape, -1, dtype=torch.int32, device=self.device)
+        return self.grammar_mask
 
     def admit(self, plan, inp: dict[str, torch.Tensor]) -> None:
         """Write the rows of the plan's prefills from their inputs (workers/step_io.py)."""
@@ -101,8 +109,12 @@ class SlotState:
 
     def write_grammar(self, inp: dict[str, torch.Tensor]) -> None:
         """Structured outputs: the plan's constrained slots get their masks, the others none."""
-        self.grammar_mask.index_fill_(0, inp["plan_slots"], -1)
+        self.clear_grammar(inp["plan_slots"])
         self.grammar_mask.index_copy_(0, inp["grammar_slots"], inp["grammar_masks"])
+
+    def clear_grammar(self, slots: torch.Tensor) -> None:
+        """No mask on these slots' rows (a step without constrained rows that reads them)."""
+        self.grammar_mask.index_fill_(0, slots, -1)
 
     def count_outputs(self, slots: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor):
         """Penalties: add tokens [B, T] where valid [B, T] to their slots' output counts."""

@@ -276,13 +276,15 @@ def smollm2_near_tie(hf_smollm2):
 def replay_graphs_on_cpu(runner, *parts: str, batch_only: bool = True) -> StepGraphSet:
     """The runner's step graphs as CpuStepGraphs (the real bucketing and padding, replayed
     eagerly: tests/cpu_graphs.py), captured: the named parts of the set (prefill, verify,
-    target_pass, chain), or all of them. Returns the runner's set. The step graphs are keyed as
-    where the paged kernel runs, by batch bucket only (batch_only=False: by length too, as the
-    gather's)."""
+    target_pass, chain, verify_by_width, draft_depth), or all of them. Returns the runner's set.
+    The step graphs are keyed as where the paged kernel runs, by batch bucket only
+    (batch_only=False: by length too, as the gather's)."""
     built = step_graph_set(runner, CpuStepGraphs, batch_only)
-    for part in parts or ("prefill", "verify", "target_pass", "chain"):
+    every = ("prefill", "verify", "target_pass", "chain", "verify_by_width", "draft_depth")
+    for part in parts or every:
         graphs = getattr(built, part)
         setattr(runner.graphs, part, graphs)
-        if graphs is not None:
-            graphs.capture_all()
+        for g in graphs.values() if isinstance(graphs, dict) else [graphs]:
+            if g is not None:
+                g.capture_all()
     return runner.graphs

@@ -26,17 +26,16 @@ def forced_proposals(engine, token_at):
     """The real drafter runs as ever, but each draft is token_at(q + 2) [B]: the drafter's output
     at position q has seen the token at q + 1 and drafts the one after it."""
     proposer = engine.executor.proposer
-    real = proposer.propose
+    real = proposer._choose
 
-    def propose(h, slots, q, depth):
-        real(h, slots, q, depth)
-        return token_at(q + 2)
+    def choose(h, slots, q, allowed, forced):
+        return token_at(q + 2), real(h, slots, q, allowed, forced)[1]
 
-    proposer.propose = propose
+    proposer._choose = choose
     try:
         yield
     finally:
-        proposer.propose = real
+        proposer._choose = real
 
 
 def _run(engine, prompt, token_at, max_tokens=48):

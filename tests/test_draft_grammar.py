@@ -72,10 +72,13 @@ def test_forced_tokens_are_proposed(tiny_dir, tiny_drafter_dir):
     assert letters(drafts[True]) == "cde" and letters(drafts[False]) != "cde"
 
 
-def test_matchers_roll_back_to_the_output_and_output_is_plain(tiny_dir, tiny_drafter_dir):
+@pytest.mark.parametrize("ks", [(None, None, None), (1, 0, 2)])
+def test_matchers_roll_back_to_the_output_and_output_is_plain(tiny_dir, tiny_drafter_dir, ks):
     """Random drafts inside a branching grammar get rejected; after every step each rank
     matcher allows what a fresh matcher after the output the plans sent allows, and the output
-    (greedy, constrained rows beside a free one, overlapped) is plain decoding's."""
+    (greedy, constrained rows beside a free one, overlapped) is plain decoding's. With per-row K
+    (1 and 2 of 3) the chain leaves the constrained rows behind at depths past their K: their
+    matchers come back too."""
     spec = StructuredSpec(kind="regex", spec="[a-p]{3}([q-z][a-d]|[e-h]{2})+")
     constrained = SamplingParams(max_tokens=24, structured=spec, stop_token_ids=[63])
     params = [constrained, SamplingParams(max_tokens=24), constrained]
@@ -85,6 +88,8 @@ def test_matchers_roll_back_to_the_output_and_output_is_plain(tiny_dir, tiny_dra
         engine = tiny_engine(tiny_dir, drafter, k=3, overlap=True)
         grammars = raw_grammars(64, stop=63)
         engine.scheduler.intake.grammars = grammars
+        if drafter != "none":
+            params = [p.model_copy(update={"num_draft_tokens": k}) for p, k in zip(params, ks)]
         requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         while engine.has_work:
             engine.step()

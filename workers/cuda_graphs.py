@@ -13,10 +13,11 @@ in place, so one capture serves every context length. A per-step value the kerne
 need (a split count, say) would be one more GraphInput, copied in at each replay."""
 
 import contextlib
+import functools
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +42,12 @@ class GraphInput:
     dtype: torch.dtype
     per_token: bool = False  # [batch, length bucket] rather than [batch]
     pad: int = 0
+    width: int = 0  # [batch, width] rather than [batch] (a grammar's bitmask)
+
+    def shape(self, batch: int, length: int) -> tuple[int, ...]:
+        if self.per_token:
+            return (batch, length)
+        return (batch, self.width) if self.width else (batch,)
 
 
 class StepGraphs:
@@ -101,12 +108,7 @@ class StepGraphs:
         """A bucket's inputs, filled with their pad values: the slots, then each GraphInput."""
         inputs = [torch.full((batch,), self.dummy_slot, dtype=torch.long, device=self.device)]
         return inputs + [
-            torch.full(
-                (batch, length) if spec.per_token else (batch,),
-                spec.pad,
-                dtype=spec.dtype,
-                device=self.device,
-            )
+            torch.full(spec.shape(batch, length), spec.pad, dtype=spec.dtype, device=self.device)
             for spec in self.inputs
         ]
 
@@ -134,12 +136,16 @@ class StepGraphs:
     def fits(self, batch: int, length: int) -> bool:
         return self._bucket(batch, length) is not None
 
-    def __call__(self, slots: torch.Tensor, *values: torch.Tensor, kv_len: int) -> tuple:
+    def __call__(self, slots: torch.Tensor, *values: torch.Tensor | None, kv_len: int) -> tuple:
+        """Replay for these rows (a value None: every row gets the input's pad)."""
         B = slots.shape[0]
         static, outputs, graph = self.graphs[self._bucket(B, kv_len)]
         static[0][:B].copy_(slots)
         static[0][B:].fill_(self.dummy_slot)
         for tensor, value, spec in zip(static[1:], values, self.inputs):
+            if value is None:
+                tensor.fill_(spec.pad)
+                continue
             if spec.per_token:
                 T = value.shape[1]
                 tensor[:B, :T].copy_(value)
@@ -163,12 +169,30 @@ class StepGraphSet:
     verify: StepGraphs | None = None  # the greedy verify pass (or the whole decode step)
     target_pass: StepGraphs | None = None  # the target pass alone, for eager verification
     chain: StepGraphs | None = None  # draft forwards 2..K
+    # the greedy verify pass with per-row limits and grammar masks, by its drafts a row
+    # (Verifier.greedy_limited): steps with per-row K or constrained rows
+    verify_by_width: dict[int, StepGraphs] = field(default_factory=dict)
+    draft_depth: StepGraphs | None = None  # one draft forward (per-row K, constrained chains)
     pool_bytes: int = 0  # measured at their capture
     estimated_bytes: int = 0  # estimated before it, where the pool was sized by measuring
 
     def all(self) -> list[StepGraphs]:
         graphs = (self.prefill, self.verify, self.target_pass, self.chain)
+        graphs += (*self.verify_by_width.values(), self.draft_depth)
         return [g for g in graphs if g is not None]
+
+    def limited_verify(self, width: int) -> StepGraphs | None:
+        """The verify_by_width graphs of the fewest drafts a row >= width (padded in the verify:
+        the rows' limits stop acceptance where their own drafts end), or None."""
+        return next((g for w, g in sorted(self.verify_by_width.items()) if w >= width), None)
+
+
+def verify_widths(K: int, M: int) -> list[int]:
+    """The drafts a row of the verify_by_width graphs: none (plain decoding), the powers of two
+    below K, and K; a draft tree's only K."""
+    if M:
+        return [K]
+    return sorted({0, K} | {1 << i for i in range(K.bit_length()) if 1 << i < K})
 
 
 def prefill_graphs(runner, graphs_class=StepGraphs) -> StepGraphs:
@@ -201,10 +225,20 @@ def step_graph_set(runner, graphs_class=StepGraphs, batch_only: bool | None = No
         verify=graphs_class(verify, slots, lengths, dummy, [], dev),
         target_pass=graphs_class(verifier.target_pass, slots, lengths, dummy, [], dev),
     )
+    K, mask_width = max(runner.K, 0), runner.state.allocate_grammar_mask().shape[-1]
+    for width in verify_widths(K, runner.M):
+        fn = functools.partial(verifier.greedy_limited, width=width)
+        limits = [GraphInput(torch.long, pad=K)]
+        graphs.verify_by_width[width] = graphs_class(fn, slots, lengths, dummy, limits, dev)
     if runner.drafter is not None and runner.K > 1:
         chain_inputs = [GraphInput(torch.long), GraphInput(torch.long)]
         draft_steps = runner.proposer.draft_steps
         graphs.chain = graphs_class(draft_steps, slots, lengths, dummy, chain_inputs, dev)
+        depth_inputs = [GraphInput(torch.long)] * 3  # last draft, its position, the depth
+        depth_inputs += [GraphInput(torch.int32, pad=-1, width=mask_width)]  # all allowed
+        depth_inputs += [GraphInput(torch.long, pad=-1)]  # none forced
+        fn = runner.proposer.draft_forward
+        graphs.draft_depth = graphs_class(fn, slots, lengths, dummy, depth_inputs, dev)
     return graphs
 
 
@@ -237,41 +271,8 @@ def capture_step_graphs(runner, estimated_bytes: int = 0) -> StepGraphSet:
     return graphs
 
 
-# allowances for what the estimate cannot see: per graph, the driver's instantiated graph and the
-# pool's rounding of small outputs to 2 MiB segments; over the measured part, the pool's
-# fragmentation across buckets. On an H100 the capture measured up to 1.34x an estimate with 1 MiB
-# a graph and no margin (SmolLM2, 75 graphs at 256 slots: 598 MiB against 446); tests/test_gpu.py
-# compares the two
-GRAPH_OVERHEAD_BYTES = 2 << 20
-GRAPH_MARGIN = 1.25
-
-
-def estimate_graph_bytes(runner) -> int:
-    """The memory capture_step_graphs will take, estimated without capturing (so sizing the
-    pool costs no capture of its own): each kind's heaviest transient memory, measured by
-    running its function once eagerly with attention as in the graphs, plus what every graph
-    keeps (static inputs, outputs), times GRAPH_MARGIN, and GRAPH_OVERHEAD_BYTES a graph. The
-    kinds' peaks are summed: they share one pool, but a kind's allocations need not fit the
-    blocks an earlier kind freed."""
-    graphs = step_graph_set(runner).all()
-    with _attention_as_in_graphs():
-        estimates = [g.estimate(_cuda_transient) for g in graphs]
-    count = sum(len(g.capture_keys()) for g in graphs)
-    measured = sum(p + k for p, k in estimates)
-    return int(measured * GRAPH_MARGIN) + count * GRAPH_OVERHEAD_BYTES
-
-
-def _cuda_transient(fn, *args, **kwargs) -> tuple[int, tuple]:
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    outputs = fn(*args, **kwargs)
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base, outputs
-
-
 @contextlib.contextmanager
-def _attention_as_in_graphs():
+def attention_as_in_graphs():
     # Captured with cuDNN attention, which made plain decoding 1.26x and EAGLE-3 1.31x faster at
     # batch 8 on the H200 and runs GQA attention without copies (workers/layers/attention.py); eager
     # forwards keep it off (a host-side plan per new shape). EAGLESERVE_CUDNN_IN_GRAPHS=0
@@ -286,7 +287,7 @@ def _attention_as_in_graphs():
 
 def _capture_in_one_pool(graphs: list[StepGraphs]) -> None:
     pool, side_stream = None, torch.cuda.Stream()
-    with _attention_as_in_graphs():
+    with attention_as_in_graphs():
         for g in graphs:
             g.pool, g.side_stream = pool, side_stream
             g.capture_all()

@@ -82,7 +82,8 @@ class StepGrammars:
         self.grammars = grammars
         self.rows: list[xgr.GrammarMatcher | None] = []  # the chain's rows, in batch order
         self.group: list[xgr.GrammarMatcher | None] = []  # the group drafting its first token
-        self.followed: dict[int, int] = {}  # id(matcher) -> tokens to roll back
+        # id(matcher) -> (the matcher, tokens to roll back): also those `keep` dropped since
+        self.followed: dict[int, tuple[xgr.GrammarMatcher, int]] = {}
         self.is_lost: set[int] = set()  # matchers whose drafts left the grammar this step
 
     def start(self, slots: torch.Tensor, tokens: torch.Tensor, emitted: torch.Tensor) -> None:
@@ -102,7 +103,7 @@ class StepGrammars:
 
     def keep(self, rows) -> None:
         """The chain goes on with these of its rows (indices, a list or a device tensor), in this
-        order: per-row K drops rows by depth (Proposer.chain_by_count)."""
+        order: per-row K drops rows by depth (Proposer.chain)."""
         if isinstance(rows, torch.Tensor):
             with allow_host_sync():
                 rows = rows.tolist()
@@ -143,15 +144,14 @@ class StepGrammars:
 
     def _accept(self, m: xgr.GrammarMatcher, token: int) -> None:
         if m.accept_token(token):
-            self.followed[id(m)] = self.followed.get(id(m), 0) + 1
+            self.followed[id(m)] = (m, self.followed.get(id(m), (m, 0))[1] + 1)
         else:  # a draft of a token the drafter cannot see (masked rows all -inf): stop there
             self.is_lost.add(id(m))
 
     def finish(self) -> None:
         """Roll every matcher back to the output the plans told."""
-        for m in {id(m): m for m in self.rows if m is not None}.values():
-            if self.followed.get(id(m)):
-                m.rollback(self.followed[id(m)])
+        for m, count in self.followed.values():
+            m.rollback(count)
         self.followed.clear()
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from speculative.config import MAX_STOP_IDS, SamplingParams
 from speculative.plan import PrefillRow, StepPlan
-from workers.cuda_graphs import estimate_graph_bytes
+from workers.graph_memory import estimate_graph_bytes
 from workers.kv_sizing import (
     CPU_DEFAULT_SLOTS,
     GPU_DEFAULT_SLOTS,

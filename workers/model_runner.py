@@ -167,11 +167,11 @@ class ModelRunner:
             seeds.append(seed)
         # None: no drafter, or the whole-step graph drafted already
         seeds = [s for s in seeds if s is not None]
-        if seeds and schedule is not None and schedule.chain_order is not None:
-            order = inputs["chain_order"]
-            self.proposer.chain_by_count(seeds, plan.kv_len, order, schedule.depth_rows)
-        elif seeds:
-            self.proposer.chain(seeds, plan.kv_len, self.graphs.chain)
+        if seeds:
+            order = depth_rows = None  # per-row K
+            if schedule is not None and schedule.chain_order is not None:
+                order, depth_rows = inputs["chain_order"], schedule.depth_rows
+            self.proposer.chain(seeds, plan.kv_len, self.graphs, order, depth_rows)
         if self.proposer is not None and self.proposer.constraint is not None:
             self.proposer.constraint.finish()
             self.proposer.constraint = None

@@ -4,8 +4,8 @@ accepted sibling's K/V into place and advancing the slots. The runner composes i
 Proposer, and passes it the step's graphs.
 
 Greedy steps replay `greedy` (or, with `graph_first_draft`, `decode_step`: the whole step with
-the first draft) as CUDA graphs; the others replay `target_pass`'s graph and verify eagerly
-(`eager`)."""
+the first draft) as CUDA graphs, and `greedy_limited` where rows have their own K or a grammar;
+the others replay `target_pass`'s graph and verify eagerly (`eager`)."""
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +14,7 @@ from speculative.draft_tree import tree_layout
 from speculative.plan import StepPlan
 from speculative.proposer import DraftSeed, Proposer
 from speculative.resource_manager import Eagle3ResourceManager
-from speculative.sampling import process_logits, slot_probs, token_logprobs
+from speculative.sampling import apply_bitmask, process_logits, slot_probs, token_logprobs
 from speculative.slot_state import SlotState
 from speculative.verify import verify_greedy, verify_seeded
 from workers.cuda_graphs import StepGraphs, StepGraphSet
@@ -48,16 +48,24 @@ class Verifier:
         drafted already). With per-row K (`schedule`, a DraftSchedule) a chain's pass holds only
         the most drafts any row has, and only the rows that draft run the first draft forward."""
         slots, graph, logprobs = inputs["decode_slots"], graphs.verify, None
+        B, kv_len, limits = slots.shape[0], plan.kv_len, inputs.get("draft_limits")
         width = self.K if schedule is None or self.M else schedule.verify_width
-        if graph is not None and plan.graphable and graph.fits(slots.shape[0], plan.kv_len):
-            tokens, emitted, base, path = graph(slots, kv_len=plan.kv_len)
+        limited = graphs.limited_verify(width) if plan.greedy_graphable else None
+        if graph is not None and plan.graphable and graph.fits(B, kv_len):
+            tokens, emitted, base, path = graph(slots, kv_len=kv_len)
             if self.whole_step:
                 return tokens, emitted, None, None
+        elif limited is not None and limited.fits(B, kv_len):
+            if not plan.use_grammar:  # masks left by constrained steps before
+                self.state.clear_grammar(slots)
+            tokens, emitted, base, path = limited(slots, limits, kv_len=kv_len)
+            width = tokens.shape[1] - 1
         else:
-            target_graphs = graphs.target_pass if width == self.K else None
-            limits = inputs.get("draft_limits")
+            target_graphs = graphs.target_pass
+            if target_graphs is not None and target_graphs.fits(B, kv_len):
+                width = self.K  # padded in the verify: the limits stop acceptance
             tokens, emitted, base, path, logprobs = self.eager(
-                plan, slots, plan.kv_len, target_graphs, width, limits
+                plan, slots, kv_len, target_graphs, width, limits
             )
         padded, logprobs = self._padded(tokens, logprobs)
         if self.proposer is None or (schedule is not None and schedule.drafting == []):
@@ -119,6 +127,19 @@ class Verifier:
         hidden, ids, base = self.target_pass(slots, kv_len)
         target_ids = self.target.logits(hidden).argmax(-1)
         tokens, emitted, path = verify_greedy(target_ids, *self._split_tree(ids))
+        self._after_verify(slots, tokens, emitted, base, path)
+        return tokens, emitted, base, path
+
+    def greedy_limited(self, slots: torch.Tensor, limits: torch.Tensor, kv_len: int, width: int):
+        """`greedy` for steps with per-row K or constrained rows (graphed as verify_by_width): a
+        pass of `width` drafts a row, each row accepting at most its limits [B], with the
+        grammar's masks (SlotState.grammar_mask: all allowed on unconstrained rows)."""
+        hidden, ids, base = self.target_pass(slots, kv_len, width)
+        logits = self.target.logits(hidden)
+        masks = self.state.grammar_mask[slots, : ids.shape[1]]
+        target_ids = apply_bitmask(logits, masks).argmax(-1)
+        drafts, siblings = self._split_tree(ids, width)
+        tokens, emitted, path = verify_greedy(target_ids, drafts, siblings, limits)
         self._after_verify(slots, tokens, emitted, base, path)
         return tokens, emitted, base, path
 
