@@ -187,6 +187,37 @@ def test_sampled_steps_replay_the_target_pass_graph():
         assert outputs[0] == outputs[1], (drafter, siblings)
 
 
+def test_mixed_k_and_constrained_steps_replay_graphs():
+    """Rows of K 0, 1, 2, auto and the engine's, constrained (a JSON schema, a regex) beside free
+    ones: greedy steps replay the verify_by_width graphs and the chains the draft_depth graph,
+    with the eager engine's output and, K fixed, its accepted drafts (the grammar's masks reach
+    the graphed drafts)."""
+    from speculative.config import StructuredSpec
+
+    person = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    specs = [StructuredSpec(kind="json", spec=json.dumps(person)), None,
+             StructuredSpec(kind="regex", spec=r"\(\d{3}\) \d{3}-\d{4}"), None, None]  # fmt: skip
+    ks = [1, 0, 2, "auto", None]
+    params = [SamplingParams(max_tokens=40, structured=s, num_draft_tokens=k)
+              for s, k in zip(specs, ks)]  # fmt: skip
+    results = []
+    for graphs in (False, True):
+        cfg = EngineConfig(model=MODEL, drafter=DRAFTER, num_draft_tokens=3, max_batch_size=8,
+                           max_model_len=512, device="cuda", dtype="float32",
+                           kv_cache_memory_gb=POOL_GB, cuda_graphs=graphs)  # fmt: skip
+        engine = LLMEngine(cfg)
+        prompts = [encode_prompt(engine.tokenizer, q) for q in QUESTIONS]
+        requests = engine.generate(prompts, params)
+        fixed = [(r.num_verify_steps, r.num_verify_emitted) for r, k in zip(requests, ks)
+                 if k != "auto"]  # fmt: skip
+        results.append(([r.output_ids for r in requests], fixed))
+        if graphs:
+            by_width = engine.executor.graphs.verify_by_width.values()
+            assert sum(g.replays for g in by_width) > 0
+            assert engine.executor.graphs.draft_depth.replays > 0
+    assert results[0] == results[1]
+
+
 def test_prompt_lookup_drafts_the_same_in_graphs():
     """Greedy output cannot show the drafts; the number of accepted drafts can. With prompt lookup
     on, its token history is written and read inside the graphs: graphs and

@@ -225,8 +225,10 @@ def step_graph_set(runner, graphs_class=StepGraphs, batch_only: bool | None = No
         verify=graphs_class(verify, slots, lengths, dummy, [], dev),
         target_pass=graphs_class(verifier.target_pass, slots, lengths, dummy, [], dev),
     )
+    # EAGLESERVE_SHAPE_GRAPHS=0: those steps verify and draft eagerly, for A/B
+    shapes = os.environ.get("EAGLESERVE_SHAPE_GRAPHS", "1") != "0"
     K, mask_width = max(runner.K, 0), runner.state.allocate_grammar_mask().shape[-1]
-    for width in verify_widths(K, runner.M):
+    for width in verify_widths(K, runner.M) if shapes else []:
         fn = functools.partial(verifier.greedy_limited, width=width)
         limits = [GraphInput(torch.long, pad=K)]
         graphs.verify_by_width[width] = graphs_class(fn, slots, lengths, dummy, limits, dev)
@@ -234,6 +236,7 @@ def step_graph_set(runner, graphs_class=StepGraphs, batch_only: bool | None = No
         chain_inputs = [GraphInput(torch.long), GraphInput(torch.long)]
         draft_steps = runner.proposer.draft_steps
         graphs.chain = graphs_class(draft_steps, slots, lengths, dummy, chain_inputs, dev)
+    if runner.drafter is not None and runner.K > 1 and shapes:
         depth_inputs = [GraphInput(torch.long)] * 3  # last draft, its position, the depth
         depth_inputs += [GraphInput(torch.int32, pad=-1, width=mask_width)]  # all allowed
         depth_inputs += [GraphInput(torch.long, pad=-1)]  # none forced
