@@ -648,15 +648,13 @@ def oracle_drafts(
 
 
 def sample_first_three(
-    engine, params: SamplingParams, conditionals=None, prompt=PROMPT, after_step=None
+    engine, params: SamplingParams, conditionals=None, prompt=PROMPT, after_step=None, per_seed=None
 ) -> torch.Tensor:
     """NUM_SAMPLES requests of the same prompt with seeds 0.. -> counts of (t1, t2, t3) [V, V, V].
-    after_step(requests) runs after every step."""
+    after_step(requests) runs after every step; per_seed(seed) -> more parameters of that one."""
     runner, K = engine.executor, engine.executor.K
-    requests = [
-        engine.add_request(prompt, params.model_copy(update={"seed": s}))
-        for s in range(NUM_SAMPLES)
-    ]
+    updates = [{"seed": s} | (per_seed(s) if per_seed else {}) for s in range(NUM_SAMPLES)]
+    requests = [engine.add_request(prompt, params.model_copy(update=u)) for u in updates]
     while engine.has_work:
         engine.step()
         if after_step is not None:

@@ -12,7 +12,7 @@ import pytest
 import test_lossless
 import torch
 import xgrammar as xgr
-from conftest import run_to_completion, tiny_engine, tiny_prompts
+from conftest import replay_graphs_on_cpu, run_to_completion, tiny_engine, tiny_prompts
 from test_lossless import PROMPT, V16, _engine, chi2_pvalue, oracle_drafts, sample_first_three
 
 from speculative.config import SamplingParams, StructuredSpec
@@ -372,6 +372,27 @@ def test_sampled_constrained_distribution_is_the_masked_one(v16_dirs, drafts, k,
         assert stats.accepted_at[0] > 0.3 * stats.num_verify_rows
     if drafts == "random":
         assert draft_grammars.num_steps > 0
+
+
+def test_sampled_constrained_mixed_k_in_graphs_is_the_masked_one(v16_dirs):
+    """Rows of K 0, 1, 2, 3 and auto sampled in one batch under the grammar, the drafts following
+    it, each verify replaying the target pass's graph at K = 3 (padded: each row's limit stops
+    acceptance at its own K; CPU stand-in): still the masked distribution."""
+    grammars = raw_grammars(V16, stop=15)
+    joint, _ = masked_joint(v16_dirs[0], grammars, TREE)
+    config = dict(max_batch_size=500, max_model_len=128, max_num_batched_tokens=4096)
+    engine = tiny_engine(*v16_dirs, k=3, overlap=False, **config)  # a cache the graphs cover
+    engine.scheduler.intake.grammars = grammars
+    graphs = replay_graphs_on_cpu(engine.executor, "target_pass", "draft_depth")
+    ks = [0, 1, 2, 3, "auto"]
+    counts = sample_first_three(
+        engine, SAMPLED, per_seed=lambda s: {"num_draft_tokens": ks[s % len(ks)]}
+    )
+    p_value = chi2_pvalue(counts, joint)
+    print(f"chi-square p-value {p_value:.3g}")
+    assert p_value > 1e-3
+    assert graphs.target_pass.replays > 0 and graphs.draft_depth.replays > 0
+    assert engine.executor.draft_grammars.num_steps > 0
 
 
 def test_unmasked_draft_positions_are_caught(v16_dirs, monkeypatch):
