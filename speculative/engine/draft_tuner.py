@@ -118,3 +118,25 @@ class DraftTuner:
         self.num_steps_by_k[k] += 1
         self.recent.append(k)
         return k
+
+    def assign(self, plan, rows: list, decodes: list) -> None:
+        """Per-row K in the plan (speculative/plan.py): each row drafts its own K (auto rows this
+        step's pick), and each decode row's verify checks what its previous step drafted. Lists
+        only where some row differs from the engine's K."""
+        limits = [r.num_pending_drafts for r in decodes]
+        auto = [r for r in rows if r.is_auto_k]
+        k_auto = self.choose(auto, [r for r in rows if not r.is_auto_k], len(rows)) if auto else 0
+        counts = [k_auto if r.is_auto_k else r.num_draft_tokens for r in rows]
+        for r, count in zip(rows, counts):
+            r.num_pending_drafts = count
+        if any(c != self.K for c in counts):
+            plan.draft_counts = counts
+        if any(n != self.K for n in limits):
+            plan.draft_limits = limits
+
+    def observe_step(self, plan, result) -> None:
+        """A decode step's timing, as the cost of its batch size at its largest K."""
+        if plan.prefills:
+            return
+        k = max(plan.draft_counts) if plan.draft_counts else self.K
+        self.observe_cost(len(plan.decode_slots), k, max(result.execute_s, result.device_s))

@@ -179,29 +179,11 @@ class Scheduler:
         )
         plan.block_updates = updates
         if self.k:
-            self._add_draft_counts(plan, rows, decodes)
+            self.tuner.assign(plan, rows, decodes)
         self._add_grammar_masks(plan, rows)
         self.slots_to_release = []
         self.rows_of_step[step_id] = [r.request_id for r in rows]
         return plan
-
-    def _add_draft_counts(self, plan: StepPlan, rows: list[Request], decodes: list[Request]):
-        """Per-row K: each row drafts its own K (auto rows the tuner's pick for the step), and
-        each decode row's verify checks what its previous step drafted. Lists only where some
-        row differs from the engine's K."""
-        limits = [r.num_pending_drafts for r in decodes]
-        auto = [r for r in rows if r.is_auto_k]
-        k_auto = 0
-        if auto:
-            fixed = [r for r in rows if not r.is_auto_k]
-            k_auto = self.tuner.choose(auto, fixed, len(rows))
-        counts = [k_auto if r.is_auto_k else r.num_draft_tokens for r in rows]
-        for r, count in zip(rows, counts):
-            r.num_pending_drafts = count
-        if any(c != self.k for c in counts):
-            plan.draft_counts = counts
-        if any(n != self.k for n in limits):
-            plan.draft_limits = limits
 
     def _add_grammar_masks(self, plan: StepPlan, rows: list[Request]) -> None:
         """The mask rows of the plan's constrained rows, after their output and drafts
@@ -231,11 +213,8 @@ class Scheduler:
         )
         outputs = []
         num_prefills = len(plan.prefills)
-        if self.k and not plan.prefills:
-            counts = plan.draft_counts
-            k = max(counts) if counts else self.k
-            seconds = max(result.execute_s, result.device_s)
-            self.tuner.observe_cost(len(plan.decode_slots), k, seconds)
+        if self.k:
+            self.tuner.observe_step(plan, result)
         for row, request_id in enumerate(self.rows_of_step.pop(plan.step_id)):
             r = self.running[request_id]
             r.in_flight -= 1
