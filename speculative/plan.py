@@ -61,7 +61,8 @@ class StepPlan:
     block_updates: list[tuple[int, int, int]] | None = None
     # per-row K (speculative/draft_length.py): the drafts each row of `slots` makes this step,
     # and the drafts each decode row's verify checks (those its previous step made); None: the
-    # engine's K for every row, the CUDA graphs' form (the others run eagerly)
+    # engine's K for every row (the verify and chain graphs' form; the others replay
+    # verify_by_width and draft_depth)
     draft_counts: list[int] | None = None
     draft_limits: list[int] | None = None
     # structured outputs: the constrained rows (indices into `slots`) and their packed bitmasks
