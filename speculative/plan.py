@@ -41,6 +41,18 @@ class DraftGrammarRow:
 
 
 @dataclass
+class LateGrammar:
+    """The masks of a plan's late constrained rows (StepPlan.late_grammar_rows), sent once the
+    step before it is processed: the rows (indices into the plan's slots), their bitmasks
+    [rows, T, ceil(V / 32)] int32 and the rows whose drafts follow the grammar."""
+
+    step_id: int
+    rows: list[int]
+    masks: np.ndarray
+    draft_grammars: list[DraftGrammarRow]
+
+
+@dataclass
 class StepPlan:
     step_id: int
     prefills: list[PrefillRow] = field(default_factory=list)
@@ -70,6 +82,9 @@ class StepPlan:
     grammar_rows: list[int] = field(default_factory=list)
     grammar_masks: np.ndarray | None = None
     draft_grammars: list[DraftGrammarRow] = field(default_factory=list)
+    # constrained decode rows whose last step is still in flight: their masks follow its tokens
+    # and drafts, so they come after the plan (LateGrammar), while the target pass runs
+    late_grammar_rows: list[int] = field(default_factory=list)
 
     @property
     def graphable(self) -> bool:
@@ -102,7 +117,7 @@ class StepPlan:
 
     @property
     def use_grammar(self) -> bool:
-        return bool(self.grammar_rows)
+        return bool(self.grammar_rows or self.late_grammar_rows)
 
     @property
     def slots(self) -> list[int]:

@@ -110,7 +110,8 @@ class SlotState:
     def write_grammar(self, inp: dict[str, torch.Tensor]) -> None:
         """Structured outputs: the plan's constrained slots get their masks, the others none."""
         self.clear_grammar(inp["plan_slots"])
-        self.grammar_mask.index_copy_(0, inp["grammar_slots"], inp["grammar_masks"])
+        if inp["grammar_slots"].numel():  # none where every constrained row is late
+            self.grammar_mask.index_copy_(0, inp["grammar_slots"], inp["grammar_masks"])
 
     def clear_grammar(self, slots: torch.Tensor) -> None:
         """No mask on these slots' rows (a step without constrained rows that reads them)."""

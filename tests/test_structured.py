@@ -38,6 +38,10 @@ def raw_grammars(vocab_size: int, stop: int) -> Grammars:
     return Grammars(info)
 
 
+def letters(ids: list[int]) -> str:
+    return "".join(chr(ord("a") + t) for t in ids)
+
+
 def allowed_after(grammars: Grammars, spec: StructuredSpec, prefix: list[int]) -> torch.Tensor:
     """The tokens a fresh matcher allows after `prefix`, as a bool vector [V]."""
     matcher = xgr.GrammarMatcher(grammars.compile(spec))
@@ -276,29 +280,28 @@ def test_greedy_smollm2_constrained_with_drafter_equals_without(
 # ---- overlap: a constrained request waits for its results, the others do not ----
 
 
-def test_constrained_request_never_in_flight_twice_while_others_overlap(tiny_dir, tiny_drafter_dir):
-    engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, overlap=True)
-    engine.scheduler.intake.grammars = raw_grammars(64, stop=63)
-    spec = StructuredSpec(kind="regex", spec="[a-z]{40}")
-    plans, execute = [], engine.executor.execute
-    engine.executor.execute = lambda plan: plans.append(plan) or execute(plan)
-    free, constrained = run_to_completion(
-        engine,
-        tiny_prompts(2, seed=4),
-        [
-            SamplingParams(max_tokens=40, ignore_eos=True),
-            SamplingParams(max_tokens=40, structured=spec),
-        ],
-    )
-    slot_rows = [[s for s in p.slots] for p in plans]
-    with_both = [i for i, s in enumerate(slot_rows) if len(s) == 2]
-    assert with_both and len(free.output_ids) == len(constrained.output_ids) == 40
-    free_slot = plans[0].slots[0]
-    # the unconstrained request is in every step until it ends; the other in every second one
-    first_out = next(i for i, s in enumerate(slot_rows) if free_slot not in s)
-    assert all(free_slot in s for s in slot_rows[:first_out])
-    has_constrained = [len(p.grammar_rows) > 0 for p in plans[:first_out]]
-    assert not any(a and b for a, b in zip(has_constrained, has_constrained[1:]))
+def test_constrained_request_overlaps_with_late_masks(tiny_dir, tiny_drafter_dir):
+    """With overlap a constrained request is in every step, as a free one is: a plan holds it
+    while its last step is in flight, and its masks follow once that step is processed
+    (LateGrammar), so its output, greedy, is the one without overlap."""
+    spec = StructuredSpec(kind="regex", spec="[a-p]{3}([q-z][a-d]|[e-h]{2})+")
+    params = [SamplingParams(max_tokens=40, ignore_eos=True),
+              SamplingParams(max_tokens=40, structured=spec, stop_token_ids=[63])]  # fmt: skip
+    outputs = []
+    for overlap in (False, True):
+        engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, overlap=overlap)
+        engine.scheduler.intake.grammars = raw_grammars(64, stop=63)
+        plans, execute = [], engine.executor.execute
+        engine.executor.execute = lambda plan, ex=execute, seen=plans: seen.append(plan) or ex(plan)
+        free, constrained = run_to_completion(engine, tiny_prompts(2, seed=4), params)
+        outputs.append(constrained.output_ids)
+    assert outputs[0] == outputs[1] and re.fullmatch(spec.spec, letters(outputs[1][:-1]))
+    plans = list({p.step_id: p for p in plans}.values())  # a deferred step executes again
+    slot = plans[0].slots[1]
+    with_it = [p for p in plans if slot in p.slots]
+    assert len(with_it) == constrained.num_verify_steps + 1  # the prefill, then every verify
+    late = [p for p in with_it if p.late_grammar_rows]
+    assert len(late) >= len(with_it) - 2  # all but the prefill and the first verify
 
 
 # ---- sampled: the masked, renormalised distribution ----

@@ -43,12 +43,16 @@ class DraftGrammars:
         for row in plan.prefills:
             if not row.is_continued:
                 self.matchers.pop(row.slot, None)
-        for row in plan.draft_grammars:
-            self._follow(row)
+        self.follow(plan.draft_grammars)
         if not any(s in self.matchers for s in plan.slots):
             return None
         self.num_steps += 1
         return StepGrammars(self)
+
+    def follow(self, rows: list) -> None:
+        """Follow the output of these rows (DraftGrammarRow: the plan's, or a late one's)."""
+        for row in rows:
+            self._follow(row)
 
     def _follow(self, row) -> None:
         if row.grammar is not None:

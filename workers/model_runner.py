@@ -8,13 +8,14 @@ it keep a step in flight. Greedy steps run as CUDA graphs (`_prefill_greedy`, th
 `greedy`, the draft chain); the others process logits and sample eagerly (`_prefill_eager`, the
 Verifier's `eager`, which replays the target pass's graph)."""
 
+import functools
 import logging
 import time
 
 import torch
 import torch.nn.functional as F
 
-from speculative.plan import DraftSchedule, StepPlan, draft_schedule
+from speculative.plan import DraftSchedule, LateGrammar, StepPlan, draft_schedule
 from speculative.proposer import DraftSeed, Proposer
 from speculative.resource_manager import Eagle3ResourceManager
 from speculative.sampling import process_logits, prompt_logprobs, sample_one, token_logprobs
@@ -32,7 +33,7 @@ from workers.models import ModelConfig
 from workers.models.loader import resolve_model
 from workers.step_costs import maybe_profile
 from workers.step_io import StepOutput, prepare_inputs, send_back
-from workers.sync_guard import no_host_sync
+from workers.sync_guard import allow_host_sync, no_host_sync
 from workers.verifier import Verifier
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,10 @@ class ModelRunner:
         self.dtype = pick_dtype(cfg.dtype, self.device)
         self.kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else self.dtype
         self.check_host_sync = False  # tests turn this on
+        # -> the LateGrammar of the step under way (the worker reads it from its plan socket);
+        # None in one process, where such a step waits for send_late_grammar
+        self.late_grammar_source = None
+        self.deferred: DeferredStep | None = None
         if self.device.type == "cuda":
             # cuDNN attention builds an execution plan on the host for every new shape (81 ms
             # each, measured on the H200), and eager forwards meet a new (batch, kv_len) every
@@ -114,6 +119,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
+        if plan.late_grammar_rows and self.late_grammar_source is None:
+            self.deferred = DeferredStep(plan)
+            return self.deferred
         received_at, start = time.time(), time.perf_counter()
         for slot in plan.free_slots:
             self.resources.free(slot)
@@ -137,6 +145,27 @@ class ModelRunner:
         output.start_event = start_event
         output.received_at, output.launched_at = received_at, time.time()
         return output
+
+    def send_late_grammar(self, late: LateGrammar) -> None:
+        """In one process: run the deferred step, its late rows' masks now known."""
+        deferred, self.deferred = self.deferred, None
+        self.late_grammar_source = lambda: late
+        try:
+            deferred.output = self.execute(deferred.plan)
+        finally:
+            self.late_grammar_source = None
+
+    def _receive_late_grammar(self, plan: StepPlan) -> None:
+        """After the target pass of a step with late constrained rows: their masks, and their
+        tokens for the drafts' grammars."""
+        late = self.late_grammar_source()
+        assert late.step_id == plan.step_id, (late.step_id, plan.step_id)
+        slots = torch.tensor([plan.slots[i] for i in late.rows])
+        with allow_host_sync():  # copies from pageable host memory
+            masks = torch.from_numpy(late.masks).to(self.device)
+            self.state.grammar_mask.index_copy_(0, slots.to(self.device), masks)
+        if self.draft_grammars is not None:
+            self.draft_grammars.follow(late.draft_grammars)
 
     def _drafts_for_grammar(self, plan: StepPlan, inputs: dict) -> tuple[torch.Tensor, ...]:
         """The step's new drafts [rows, K] and siblings [rows, M, K]: the host's grammar follows
@@ -162,7 +191,9 @@ class ModelRunner:
             parts.append(part)
             seeds.append(seed)
         if plan.decode_slots:
-            *part, seed = self.verifier.verify(plan, inputs, self.graphs, schedule)
+            late = functools.partial(self._receive_late_grammar, plan)
+            late = late if plan.late_grammar_rows else None
+            *part, seed = self.verifier.verify(plan, inputs, self.graphs, schedule, late)
             parts.append(part)
             seeds.append(seed)
         # None: no drafter, or the whole-step graph drafted already
@@ -275,3 +306,14 @@ class ModelRunner:
             return (token,)
         seed = self.proposer.from_prompt(ids, lens, token, features, batch)
         return token, seed.hidden, seed.first_draft
+
+
+class DeferredStep:
+    """A step with late constrained rows in one process: it runs once their masks are sent
+    (ModelRunner.send_late_grammar), before its results are asked for."""
+
+    def __init__(self, plan: StepPlan):
+        self.plan, self.output = plan, None
+
+    def result(self):
+        return self.output.result()

@@ -149,10 +149,11 @@ def _penalty_inputs(rows: list) -> dict[str, torch.Tensor]:
 
 def _grammar_inputs(plan: StepPlan) -> dict[str, torch.Tensor]:
     """The plan's slots, the constrained ones' and their bitmasks (SlotState.write_grammar)."""
+    masks = plan.grammar_masks
     return {
         "plan_slots": torch.tensor(plan.slots, dtype=torch.long),
-        "grammar_slots": torch.tensor([plan.slots[i] for i in plan.grammar_rows]),
-        "grammar_masks": torch.from_numpy(plan.grammar_masks),
+        "grammar_slots": torch.tensor([plan.slots[i] for i in plan.grammar_rows], dtype=torch.long),
+        "grammar_masks": torch.from_numpy(masks) if masks is not None else torch.empty(0),
     }
 
 

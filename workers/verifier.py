@@ -42,15 +42,17 @@ class Verifier:
         self.node_depth, self.tree_sees = depth.to(self.device), sees.to(self.device)
         self.T = depth.shape[0]  # tokens per row in the verify pass
 
-    def verify(self, plan: StepPlan, inputs: dict, graphs: StepGraphSet, schedule=None):
+    def verify(self, plan: StepPlan, inputs: dict, graphs: StepGraphSet, schedule=None, late=None):
         """-> tokens [B, K+1], num_emitted [B], logprobs or None, and what the draft chain
         continues from (None without a drafter, when no row drafts, or when the whole-step graph
         drafted already). With per-row K (`schedule`, a DraftSchedule) a chain's pass holds only
-        the most drafts any row has, and only the rows that draft run the first draft forward."""
+        the most drafts any row has, and only the rows that draft run the first draft forward.
+        late: with late constrained rows, what brings their masks, called after the target
+        pass is launched (the verification after it is eager)."""
         slots, graph, logprobs = inputs["decode_slots"], graphs.verify, None
         B, kv_len, limits = slots.shape[0], plan.kv_len, inputs.get("draft_limits")
         width = self.K if schedule is None or self.M else schedule.verify_width
-        limited = graphs.limited_verify(width) if plan.greedy_graphable else None
+        limited = graphs.limited_verify(width) if plan.greedy_graphable and not late else None
         if graph is not None and plan.graphable and graph.fits(B, kv_len):
             tokens, emitted, base, path = graph(slots, kv_len=kv_len)
             if self.whole_step:
@@ -65,7 +67,7 @@ class Verifier:
             if target_graphs is not None and target_graphs.fits(B, kv_len):
                 width = self.K  # padded in the verify: the limits stop acceptance
             tokens, emitted, base, path, logprobs = self.eager(
-                plan, slots, kv_len, target_graphs, width, limits
+                plan, slots, kv_len, target_graphs, width, limits, late
             )
         padded, logprobs = self._padded(tokens, logprobs)
         if self.proposer is None or (schedule is not None and schedule.drafting == []):
@@ -151,16 +153,19 @@ class Verifier:
         graphs: StepGraphs | None,
         width: int | None = None,
         limit: torch.Tensor | None = None,
+        before_logits=None,
     ):
         """Verification with sampling, penalties, bias, min_tokens, logprobs or per-row K (each
         row accepting at most its `limit` [B] drafts, in a pass of `width` drafts), after the
-        target pass (replayed from its graphs where one fits). -> `greedy`'s outputs and the
-        logprobs or None."""
+        target pass (replayed from its graphs where one fits) and `before_logits` (late masks).
+        -> `greedy`'s outputs and the logprobs or None."""
         K, B = self.K if width is None else width, slots.shape[0]
         if graphs is not None and graphs.fits(B, kv_len):
             hidden, ids, base = graphs(slots, kv_len=kv_len)
         else:
             hidden, ids, base = self.target_pass(slots, kv_len, K)
+        if before_logits is not None:
+            before_logits()
         T = ids.shape[1]
         drafts, siblings = self._split_tree(ids, K)
         positions = base.unsqueeze(1) + self.node_depth[:T]  # [B, T] each node's position

@@ -102,6 +102,7 @@ class TPWorker:
             self.rank, self.world_size, master_addr, master_port, device, collective_timeout_s
         )
         self.runner = ModelRunner(self.cfg, group, device)
+        self.runner.late_grammar_source = self._receive_late_grammar
         self.ctx = zmq.Context()
         self.plans = self.ctx.socket(zmq.PULL)
         self.plans.bind(plan_addr)
@@ -166,6 +167,13 @@ class TPWorker:
             if sender:
                 outbox.put(None)
                 sender.join(timeout=5)
+
+    def _receive_late_grammar(self):
+        """The next message, within a step: the LateGrammar the coordinator sends after it."""
+        while not self.plans.poll(RECV_POLL_MS):
+            if self.stopped.is_set():
+                raise RuntimeError("stopped while a step waited for its late grammar masks")
+        return pickle.loads(self.plans.recv())
 
     def _send_results(self, outbox: queue.Queue) -> None:
         while (output := outbox.get()) is not None:

@@ -43,12 +43,7 @@ class PrefillPlanner:
             if not r.is_finished and r.slot is not None and not r.is_preempted
         ]
         decodes = [
-            r
-            for r in active
-            if r.num_prefilled == len(r.prefill_ids)
-            and not will_surely_finish(r)
-            # a constrained request's masks follow its last step's tokens and drafts
-            and not (r.grammar is not None and r.in_flight)
+            r for r in active if r.num_prefilled == len(r.prefill_ids) and not will_surely_finish(r)
         ]
         budget = self.max_num_batched_tokens
         if self.kv is not None:

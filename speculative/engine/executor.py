@@ -133,6 +133,13 @@ class RayExecutor:
             self.sent_at[plan.step_id] = (time.time(), len(plan.prefills), len(plan.decode_slots))
         return PendingStep(self, plan.step_id)
 
+    def send_late_grammar(self, late) -> None:
+        """A step's late constrained rows' masks (speculative.plan.LateGrammar), to every rank:
+        each waits for them after launching that step's target pass."""
+        message = pickle.dumps(late, protocol=5)
+        for sock in self.plans:
+            sock.send(message)
+
     def wait_result(self, step_id: int) -> StepResult:
         from workers.worker import StepFailed
 

@@ -107,7 +107,12 @@ class LLMEngine:
             done_plan, handle = self.in_flight.popleft()
             result = handle.result()
             self.device_s += result.device_s
-            return self.scheduler.process(done_plan, result)
+            outputs = self.scheduler.process(done_plan, result)
+            # the next step's constrained rows that were in this one: their masks, now known
+            late = self.scheduler.late_grammar(self.in_flight[0][0]) if self.in_flight else None
+            if late is not None:
+                self.executor.send_late_grammar(late)
+            return outputs
         return []
 
     def generate(

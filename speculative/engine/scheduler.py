@@ -26,7 +26,7 @@ from speculative.engine.request import Request, RequestError, RequestOutput, Ste
 from speculative.engine.request_blocks import RequestBlocks
 from speculative.engine.waiting_queue import WaitingQueue
 from speculative.grammar import bitmask_width
-from speculative.plan import PrefillRow, StepPlan, StepResult, step_flags
+from speculative.plan import LateGrammar, PrefillRow, StepPlan, StepResult, step_flags
 
 log = logging.getLogger(__name__)
 
@@ -187,23 +187,37 @@ class Scheduler:
 
     def _add_grammar_masks(self, plan: StepPlan, rows: list[Request]) -> None:
         """The mask rows of the plan's constrained rows, after their output and drafts
-        (speculative/grammar.py)."""
+        (speculative/grammar.py); a row whose last step is still in flight gets them once that
+        step is processed (`late_grammar`)."""
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
-        if not constrained:
-            return
+        plan.late_grammar_rows = [i for i in constrained if rows[i].in_flight > 1]
+        ready = [i for i in constrained if rows[i].in_flight == 1]
+        if ready:
+            plan.grammar_rows = ready
+            plan.grammar_masks, plan.draft_grammars = self._grammar_masks(plan, rows, ready)
+
+    def late_grammar(self, plan: StepPlan) -> LateGrammar | None:
+        """Once the step before `plan` is processed: the masks of plan's late rows."""
+        if not plan.late_grammar_rows:
+            return None
+        rows = [self.running[i] for i in self.rows_of_step[plan.step_id]]
+        late = plan.late_grammar_rows
+        masks, draft_rows = self._grammar_masks(plan, rows, late)
+        return LateGrammar(plan.step_id, late, masks, draft_rows)
+
+    def _grammar_masks(self, plan: StepPlan, rows: list[Request], indices: list[int]) -> tuple:
+        """-> the bitmasks of rows[indices] [n, T, W] and what the ranks' draft grammars need."""
         T = 1 + self.k + self.tree_rows
-        masks = torch.empty(
-            len(constrained), T, bitmask_width(self.intake.grammars.vocab_size), dtype=torch.int32
-        )
-        for i, row in enumerate(constrained):
-            rows[row].grammar.fill(masks[i], *rows[row].drafts)
-        plan.grammar_rows, plan.grammar_masks = constrained, masks.numpy()
-        if self.k:  # the ranks' drafts follow the grammar too (workers/draft_grammar.py)
-            admitted = [
-                i < len(plan.prefills) and not plan.prefills[i].is_continued for i in constrained
-            ]
-            draft_rows = (rows[i].draft_grammar_row(a) for i, a in zip(constrained, admitted))
-            plan.draft_grammars = [d for d in draft_rows if d is not None]
+        width = bitmask_width(self.intake.grammars.vocab_size)
+        masks = torch.empty(len(indices), T, width, dtype=torch.int32)
+        for n, i in enumerate(indices):
+            rows[i].grammar.fill(masks[n], *rows[i].drafts)
+        if not self.k:
+            return masks.numpy(), []
+        # the ranks' drafts follow the grammar too (workers/draft_grammar.py)
+        admitted = [i < len(plan.prefills) and not plan.prefills[i].is_continued for i in indices]
+        draft_rows = (rows[i].draft_grammar_row(a) for i, a in zip(indices, admitted))
+        return masks.numpy(), [d for d in draft_rows if d is not None]
 
     # ---- results ----
 
