@@ -77,16 +77,19 @@ def replays(graphs) -> int:
 
 def test_mixed_steps_replay_graphs_and_equal_plain(graphed, eager, smollm2_engine):
     """Constrained rows (a JSON schema, a regex, a tool call) beside free ones, with K = 1, 0,
-    auto, 2, the engine's and 3: no greedy step verifies eagerly, the chain's depths replay
-    draft_depth, each row is plain (constrained) decoding's, token for token, and accepts as many
-    drafts as without graphs (the drafts follow the grammar in the graphs too). Then free rows
-    of K 1 and 2 in every slot, the constrained rows' too: their masks are gone."""
+    auto, 2, the engine's and 3, step by step: no greedy step verifies eagerly, the chain's
+    depths replay draft_depth, each row is plain (constrained) decoding's, token for token, and
+    accepts as many drafts as without graphs (the drafts follow the grammar in the graphs too).
+    Then free rows of K 1 and 2 in every slot, the constrained rows' too: their masks are gone.
+    Overlapped, the same output; the steps that verify eagerly are those with late constrained
+    rows, after the target pass's graph."""
     prompts = [encode_prompt(smollm2_engine.tokenizer, q) for q in QUESTIONS]
     plain_params = [SamplingParams(max_tokens=32, structured=s) for s in SPECS]
     plain = [r.output_ids for r in smollm2_engine.generate(prompts, plain_params)]
     ks = [1, 0, "auto", 2, None, 3]
     params = [p.model_copy(update={"num_draft_tokens": k}) for p, k in zip(plain_params, ks)]
     graphs = graphed.executor.graphs
+    graphed.overlap = eager.overlap = False  # no late masks: every verify graphed
     with counting_eager(graphed.executor) as eager_steps:
         mixed = run_to_completion(graphed, prompts, params)
         assert [r.output_ids for r in mixed] == plain
@@ -106,6 +109,13 @@ def test_mixed_steps_replay_graphs_and_equal_plain(graphed, eager, smollm2_engin
     no_graphs = run_to_completion(eager, [prompts[i] for i in fixed], [params[i] for i in fixed])
     counts = [(r.num_verify_steps, r.num_verify_emitted) for r in no_graphs]
     assert [(mixed[i].num_verify_steps, mixed[i].num_verify_emitted) for i in fixed] == counts
+    graphed.overlap = eager.overlap = True
+    before = graphs.target_pass.replays
+    with counting_eager(graphed.executor) as eager_steps:
+        overlapped = run_to_completion(graphed, prompts, params)
+    assert [r.output_ids for r in overlapped] == plain
+    assert eager_steps and all(p.late_grammar_rows for p in eager_steps)
+    assert graphs.target_pass.replays - before == len(eager_steps)
 
 
 def test_sampled_per_row_k_pads_into_the_target_pass_graph(graphed, eager, smollm2_engine):

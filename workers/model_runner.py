@@ -8,7 +8,6 @@ it keep a step in flight. Greedy steps run as CUDA graphs (`_prefill_greedy`, th
 `greedy`, the draft chain); the others process logits and sample eagerly (`_prefill_eager`, the
 Verifier's `eager`, which replays the target pass's graph)."""
 
-import functools
 import logging
 import time
 
@@ -25,6 +24,7 @@ from workers.cuda_graphs import StepGraphSet, capture_step_graphs
 from workers.device import pick_device, pick_dtype
 from workers.draft_grammar import DraftGrammars
 from workers.kv_sizing import PoolSize, cache_rows
+from workers.late_grammar import DeferredStep, write_late_grammar
 from workers.layers import attention_backend
 from workers.layers.kv_cache import KVCache
 from workers.layers.parallel import tp_rank_size
@@ -32,8 +32,8 @@ from workers.memory_profile import memory_at_start, size_pool
 from workers.models import ModelConfig
 from workers.models.loader import resolve_model
 from workers.step_costs import maybe_profile
-from workers.step_io import StepOutput, prepare_inputs, send_back
-from workers.sync_guard import allow_host_sync, no_host_sync
+from workers.step_io import prepare_inputs, send_back
+from workers.sync_guard import no_host_sync
 from workers.verifier import Verifier
 
 log = logging.getLogger(__name__)
@@ -118,10 +118,9 @@ class ModelRunner:
     # ---- the step ----
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepOutput:
-        if plan.late_grammar_rows and self.late_grammar_source is None:
-            self.deferred = DeferredStep(plan)
-            return self.deferred
+    def execute(self, plan: StepPlan):
+        """Launch the step. -> its StepOutput; in one process, a step with late constrained rows
+        stops after its target pass (a DeferredStep) until send_late_grammar."""
         received_at, start = time.time(), time.perf_counter()
         for slot in plan.free_slots:
             self.resources.free(slot)
@@ -133,39 +132,43 @@ class ModelRunner:
         if plan.draft_counts is not None or plan.draft_limits is not None:
             schedule = draft_schedule(plan, self.K)
         inputs = prepare_inputs(plan, self.device, schedule)
-        start_event = None
+        step = DeferredStep(plan, inputs, self._run(plan, inputs, schedule), received_at, start)
         if self.device.type == "cuda":
-            start_event = torch.cuda.Event(enable_timing=True)
-            start_event.record()
-        with no_host_sync(self.check_host_sync):
-            tokens, num_emitted, logprobs, prompt = self._run(plan, inputs, schedule)
-            drafts = self._drafts_for_grammar(plan, inputs) if plan.use_grammar else None
-        execute_s = time.perf_counter() - start
-        output = send_back(plan.step_id, tokens, num_emitted, execute_s, logprobs, prompt, drafts)
-        output.start_event = start_event
-        output.received_at, output.launched_at = received_at, time.time()
-        return output
+            step.start_event = torch.cuda.Event(enable_timing=True)
+            step.start_event.record()
+        if self._advance(step):
+            return step.output
+        if self.late_grammar_source is None:
+            self.deferred = step
+            return step
+        self._advance(step, self.late_grammar_source())
+        return step.output
 
+    @torch.inference_mode()
     def send_late_grammar(self, late: LateGrammar) -> None:
-        """In one process: run the deferred step, its late rows' masks now known."""
-        deferred, self.deferred = self.deferred, None
-        self.late_grammar_source = lambda: late
-        try:
-            deferred.output = self.execute(deferred.plan)
-        finally:
-            self.late_grammar_source = None
+        """In one process: the deferred step goes on, its late rows' masks now known."""
+        step, self.deferred = self.deferred, None
+        self._advance(step, late)
 
-    def _receive_late_grammar(self, plan: StepPlan) -> None:
-        """After the target pass of a step with late constrained rows: their masks, and their
-        tokens for the drafts' grammars."""
-        late = self.late_grammar_source()
-        assert late.step_id == plan.step_id, (late.step_id, plan.step_id)
-        slots = torch.tensor([plan.slots[i] for i in late.rows])
-        with allow_host_sync():  # copies from pageable host memory
-            masks = torch.from_numpy(late.masks).to(self.device)
-            self.state.grammar_mask.index_copy_(0, slots.to(self.device), masks)
-        if self.draft_grammars is not None:
-            self.draft_grammars.follow(late.draft_grammars)
+    def _advance(self, step: DeferredStep, late: LateGrammar | None = None) -> bool:
+        """Run the step on (with its late masks) to its end, and start sending its results back
+        (-> True), or to where it waits for late masks (-> False)."""
+        plan, inputs = step.plan, step.inputs
+        with no_host_sync(self.check_host_sync):
+            if late is not None:
+                write_late_grammar(self, plan, late)
+            try:
+                next(step.run)
+                return False
+            except StopIteration as done:
+                tokens, num_emitted, logprobs, prompt = done.value
+            drafts = self._drafts_for_grammar(plan, inputs) if plan.use_grammar else None
+        execute_s = time.perf_counter() - step.started
+        output = send_back(plan.step_id, tokens, num_emitted, execute_s, logprobs, prompt, drafts)
+        output.start_event = step.start_event
+        output.received_at, output.launched_at = step.received_at, time.time()
+        step.output = output
+        return True
 
     def _drafts_for_grammar(self, plan: StepPlan, inputs: dict) -> tuple[torch.Tensor, ...]:
         """The step's new drafts [rows, K] and siblings [rows, M, K]: the host's grammar follows
@@ -173,10 +176,11 @@ class ModelRunner:
         slots, K = inputs["plan_slots"], max(self.K, 0)
         return self.state.drafts[slots, :K], self.state.siblings[slots, :, :K]
 
-    def _run(self, plan: StepPlan, inputs: dict, schedule: DraftSchedule | None) -> tuple:
-        """-> tokens [rows, K+1], num_emitted [rows], with plan.num_logprobs the rows'
-        log-probabilities (`token_logprobs`, each [rows, K+1, ...]) and with
-        plan.num_prompt_logprobs the prefills' prompts' ones."""
+    def _run(self, plan: StepPlan, inputs: dict, schedule: DraftSchedule | None):
+        """The step, as a generator that returns tokens [rows, K+1], num_emitted [rows], with
+        plan.num_logprobs the rows' log-probabilities (`token_logprobs`, each [rows, K+1, ...])
+        and with plan.num_prompt_logprobs the prefills' prompts' ones; with late constrained
+        rows it first yields once, after the target pass, for their masks."""
         self.state.allocate_for(plan)
         if plan.block_updates is not None:
             where = (inputs["block_slots"], inputs["block_index"])
@@ -191,9 +195,11 @@ class ModelRunner:
             parts.append(part)
             seeds.append(seed)
         if plan.decode_slots:
-            late = functools.partial(self._receive_late_grammar, plan)
-            late = late if plan.late_grammar_rows else None
-            *part, seed = self.verifier.verify(plan, inputs, self.graphs, schedule, late)
+            passed = None
+            if plan.late_grammar_rows:
+                passed = self.verifier.pass_first(plan, inputs, self.graphs, schedule)
+                yield  # the late rows' masks
+            *part, seed = self.verifier.verify(plan, inputs, self.graphs, schedule, passed)
             parts.append(part)
             seeds.append(seed)
         # None: no drafter, or the whole-step graph drafted already
@@ -306,14 +312,3 @@ class ModelRunner:
             return (token,)
         seed = self.proposer.from_prompt(ids, lens, token, features, batch)
         return token, seed.hidden, seed.first_draft
-
-
-class DeferredStep:
-    """A step with late constrained rows in one process: it runs once their masks are sent
-    (ModelRunner.send_late_grammar), before its results are asked for."""
-
-    def __init__(self, plan: StepPlan):
-        self.plan, self.output = plan, None
-
-    def result(self):
-        return self.output.result()

@@ -42,18 +42,23 @@ class Verifier:
         self.node_depth, self.tree_sees = depth.to(self.device), sees.to(self.device)
         self.T = depth.shape[0]  # tokens per row in the verify pass
 
-    def verify(self, plan: StepPlan, inputs: dict, graphs: StepGraphSet, schedule=None, late=None):
+    def verify(
+        self, plan: StepPlan, inputs: dict, graphs: StepGraphSet, schedule=None, passed=None
+    ):
         """-> tokens [B, K+1], num_emitted [B], logprobs or None, and what the draft chain
         continues from (None without a drafter, when no row drafts, or when the whole-step graph
         drafted already). With per-row K (`schedule`, a DraftSchedule) a chain's pass holds only
         the most drafts any row has, and only the rows that draft run the first draft forward.
-        late: with late constrained rows, what brings their masks, called after the target
-        pass is launched (the verification after it is eager)."""
+        passed: `pass_first`'s target pass, launched before late constrained rows' masks came
+        (the verification after it is eager)."""
         slots, graph, logprobs = inputs["decode_slots"], graphs.verify, None
         B, kv_len, limits = slots.shape[0], plan.kv_len, inputs.get("draft_limits")
-        width = self.K if schedule is None or self.M else schedule.verify_width
-        limited = graphs.limited_verify(width) if plan.greedy_graphable and not late else None
-        if graph is not None and plan.graphable and graph.fits(B, kv_len):
+        width = self._width(schedule)
+        limited = graphs.limited_verify(width) if plan.greedy_graphable else None
+        if passed is not None:
+            tokens, emitted, base, path, logprobs = self.eager(plan, slots, kv_len, *passed)
+            width = passed[1]
+        elif graph is not None and plan.graphable and graph.fits(B, kv_len):
             tokens, emitted, base, path = graph(slots, kv_len=kv_len)
             if self.whole_step:
                 return tokens, emitted, None, None
@@ -63,11 +68,9 @@ class Verifier:
             tokens, emitted, base, path = limited(slots, limits, kv_len=kv_len)
             width = tokens.shape[1] - 1
         else:
-            target_graphs = graphs.target_pass
-            if target_graphs is not None and target_graphs.fits(B, kv_len):
-                width = self.K  # padded in the verify: the limits stop acceptance
+            width = self._eager_width(B, kv_len, width, graphs)
             tokens, emitted, base, path, logprobs = self.eager(
-                plan, slots, kv_len, target_graphs, width, limits, late
+                plan, slots, kv_len, graphs.target_pass, width, limits
             )
         padded, logprobs = self._padded(tokens, logprobs)
         if self.proposer is None or (schedule is not None and schedule.drafting == []):
@@ -81,6 +84,28 @@ class Verifier:
         if rows is not None:
             slots, ends = slots[rows], ends[rows]
         return padded, emitted, logprobs, DraftSeed(slots, last, ends, first_draft)
+
+    def pass_first(self, plan: StepPlan, inputs: dict, graphs: StepGraphSet, schedule=None):
+        """The target pass alone, launched (from its graph where one fits) before the masks of
+        late constrained rows are known. -> `verify`'s `passed`: the pass's outputs (`eager`'s
+        after `kv_len`: graphs None, as the pass is done, its width, the rows' limits)."""
+        slots, kv_len = inputs["decode_slots"], plan.kv_len
+        width = self._eager_width(slots.shape[0], kv_len, self._width(schedule), graphs)
+        target_graphs = graphs.target_pass
+        if target_graphs is not None and target_graphs.fits(slots.shape[0], kv_len):
+            out = target_graphs(slots, kv_len=kv_len)
+        else:
+            out = self.target_pass(slots, kv_len, width)
+        return None, width, inputs.get("draft_limits"), out
+
+    def _width(self, schedule) -> int:
+        """The drafts a row in this step's verify pass (a tree's always K)."""
+        return self.K if schedule is None or self.M else schedule.verify_width
+
+    def _eager_width(self, B: int, kv_len: int, width: int, graphs: StepGraphSet) -> int:
+        """Padded to K where the target pass's graph fits: the limits stop acceptance."""
+        target_graphs = graphs.target_pass
+        return self.K if target_graphs is not None and target_graphs.fits(B, kv_len) else width
 
     def _padded(self, tokens: torch.Tensor, logprobs: tuple | None) -> tuple:
         """A narrower verify pass's tokens [B, w+1] and logprobs, padded to K+1 columns."""
@@ -153,19 +178,19 @@ class Verifier:
         graphs: StepGraphs | None,
         width: int | None = None,
         limit: torch.Tensor | None = None,
-        before_logits=None,
+        passed: tuple | None = None,
     ):
         """Verification with sampling, penalties, bias, min_tokens, logprobs or per-row K (each
         row accepting at most its `limit` [B] drafts, in a pass of `width` drafts), after the
-        target pass (replayed from its graphs where one fits) and `before_logits` (late masks).
+        target pass (replayed from its graphs where one fits; `passed`: launched already).
         -> `greedy`'s outputs and the logprobs or None."""
         K, B = self.K if width is None else width, slots.shape[0]
-        if graphs is not None and graphs.fits(B, kv_len):
+        if passed is not None:
+            hidden, ids, base = passed
+        elif graphs is not None and graphs.fits(B, kv_len):
             hidden, ids, base = graphs(slots, kv_len=kv_len)
         else:
             hidden, ids, base = self.target_pass(slots, kv_len, K)
-        if before_logits is not None:
-            before_logits()
         T = ids.shape[1]
         drafts, siblings = self._split_tree(ids, K)
         positions = base.unsqueeze(1) + self.node_depth[:T]  # [B, T] each node's position
