@@ -189,9 +189,9 @@ def test_sampled_steps_replay_the_target_pass_graph():
 
 def test_mixed_k_and_constrained_steps_replay_graphs():
     """Rows of K 0, 1, 2, auto and the engine's, constrained (a JSON schema, a regex) beside free
-    ones: greedy steps replay the verify_by_width graphs and the chains the draft_depth graph,
-    with the eager engine's output and, K fixed, its accepted drafts (the grammar's masks reach
-    the graphed drafts)."""
+    ones, step by step: greedy steps replay the verify_by_width graphs and the chains the
+    draft_depth graph, with the eager engine's output and, K fixed, its accepted drafts (the
+    grammar's masks reach the graphed drafts); overlapped (late masks), the same output."""
     from speculative.config import StructuredSpec
 
     person = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
@@ -206,6 +206,7 @@ def test_mixed_k_and_constrained_steps_replay_graphs():
                            max_model_len=512, device="cuda", dtype="float32",
                            kv_cache_memory_gb=POOL_GB, cuda_graphs=graphs)  # fmt: skip
         engine = LLMEngine(cfg)
+        engine.overlap = False  # no late masks: every verify graphed
         prompts = [encode_prompt(engine.tokenizer, q) for q in QUESTIONS]
         requests = engine.generate(prompts, params)
         fixed = [(r.num_verify_steps, r.num_verify_emitted) for r, k in zip(requests, ks)
@@ -216,6 +217,8 @@ def test_mixed_k_and_constrained_steps_replay_graphs():
             assert sum(g.replays for g in by_width) > 0
             assert engine.executor.graphs.draft_depth.replays > 0
     assert results[0] == results[1]
+    engine.overlap = True  # late masks: the target pass graphed, then the verification eager
+    assert [r.output_ids for r in engine.generate(prompts, params)] == results[0][0]
 
 
 def test_prompt_lookup_drafts_the_same_in_graphs():
