@@ -1,9 +1,11 @@
-"""Steps of every shape in CUDA graphs against the same steps eager: benchmarks/structured_speed.py
-run twice in turn, with the graphs of constrained, lowered-K and mixed-K steps
-(workers/cuda_graphs.py: verify_by_width, draft_depth) and without (EAGLESERVE_SHAPE_GRAPHS=0,
-those steps eager as before). Prints per batch and mix the constrained rows' tokens/s, graphed
-against eager, and their ratio to free text's (the goal: >= 0.85 at batch 8, plain and
-speculative). Writes both runs' JSON and a summary. Run on a GPU (the graphs are CUDA's):
+"""Steps of every shape in CUDA graphs, and late grammar masks, against neither:
+benchmarks/structured_speed.py run twice in turn, with the graphs of constrained, lowered-K and
+mixed-K steps (workers/cuda_graphs.py: verify_by_width, draft_depth) and constrained rows in
+every overlapped step (their masks late), and without both (EAGLESERVE_SHAPE_GRAPHS=0: those
+steps eager; EAGLESERVE_LATE_GRAMMAR=0: a constrained row in every second step, as before).
+Prints per batch and mix the constrained rows' tokens/s, new ("graphed") against old ("eager"),
+and their ratio to free text's (the goal: >= 0.85 at batch 8, plain and speculative). Writes
+both runs' JSON and a summary. Run on a GPU (the graphs are CUDA's):
 
     python3 benchmarks/shape_graphs.py --out-dir $OUT -- --device cuda --model M.gguf \
         --drafter speculative/drafters/smollm2-135m --batch 1,8,32 --max-tokens 128
@@ -20,7 +22,7 @@ MIXES = ("json_schema", "tool_call", "mixed")
 
 
 def run(setting: str, args: list[str], out: Path) -> dict:
-    env = os.environ | {"EAGLESERVE_SHAPE_GRAPHS": setting}
+    env = os.environ | {"EAGLESERVE_SHAPE_GRAPHS": setting, "EAGLESERVE_LATE_GRAMMAR": setting}
     command = [sys.executable, "benchmarks/structured_speed.py", *args, "--out", str(out)]
     subprocess.run(command, check=True, env=env)
     return json.loads(out.read_text())

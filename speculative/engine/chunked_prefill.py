@@ -4,9 +4,15 @@ running streams keep decoding), and admission of a waiting request with the pref
 and blocks for its first chunk. The scheduler (engine/scheduler.py) owns one planner and keeps
 the queues; the planner reads its running requests and changes only the requests it plans."""
 
+import os
+
 from speculative.engine.request import Request, RequestError
 from speculative.engine.request_blocks import RequestBlocks
 from speculative.plan import PrefillRow
+
+# a constrained request in flight is planned again, its masks sent late (Scheduler.late_grammar);
+# EAGLESERVE_LATE_GRAMMAR=0 waits for its results instead (every second step), for A/B
+LATE_GRAMMAR = os.environ.get("EAGLESERVE_LATE_GRAMMAR", "1") != "0"
 
 
 class PrefillPlanner:
@@ -43,7 +49,11 @@ class PrefillPlanner:
             if not r.is_finished and r.slot is not None and not r.is_preempted
         ]
         decodes = [
-            r for r in active if r.num_prefilled == len(r.prefill_ids) and not will_surely_finish(r)
+            r
+            for r in active
+            if r.num_prefilled == len(r.prefill_ids)
+            and not will_surely_finish(r)
+            and (LATE_GRAMMAR or r.grammar is None or not r.in_flight)
         ]
         budget = self.max_num_batched_tokens
         if self.kv is not None:
