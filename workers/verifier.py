@@ -56,8 +56,10 @@ class Verifier:
         width = self._width(schedule)
         limited = graphs.limited_verify(width) if plan.greedy_graphable else None
         if passed is not None:
-            tokens, emitted, base, path, logprobs = self.eager(plan, slots, kv_len, *passed)
-            width = passed[1]
+            width, out = passed
+            tokens, emitted, base, path, logprobs = self.eager(
+                plan, slots, kv_len, None, width, limits, out
+            )
         elif graph is not None and plan.graphable and graph.fits(B, kv_len):
             tokens, emitted, base, path = graph(slots, kv_len=kv_len)
             if self.whole_step:
@@ -87,16 +89,16 @@ class Verifier:
 
     def pass_first(self, plan: StepPlan, inputs: dict, graphs: StepGraphSet, schedule=None):
         """The target pass alone, launched (from its graph where one fits) before the masks of
-        late constrained rows are known. -> `verify`'s `passed`: the pass's outputs (`eager`'s
-        after `kv_len`: graphs None, as the pass is done, its width, the rows' limits)."""
+        late constrained rows are known. -> `verify`'s `passed`: its width, its outputs."""
         slots, kv_len = inputs["decode_slots"], plan.kv_len
         width = self._eager_width(slots.shape[0], kv_len, self._width(schedule), graphs)
-        target_graphs = graphs.target_pass
-        if target_graphs is not None and target_graphs.fits(slots.shape[0], kv_len):
-            out = target_graphs(slots, kv_len=kv_len)
-        else:
-            out = self.target_pass(slots, kv_len, width)
-        return None, width, inputs.get("draft_limits"), out
+        return width, self._target_pass_of(slots, kv_len, graphs.target_pass, width)
+
+    def _target_pass_of(self, slots, kv_len: int, graphs: StepGraphs | None, width: int):
+        """`target_pass`, replayed from its graphs where one fits."""
+        if graphs is not None and graphs.fits(slots.shape[0], kv_len):
+            return graphs(slots, kv_len=kv_len)
+        return self.target_pass(slots, kv_len, width)
 
     def _width(self, schedule) -> int:
         """The drafts a row in this step's verify pass (a tree's always K)."""
@@ -185,12 +187,8 @@ class Verifier:
         target pass (replayed from its graphs where one fits; `passed`: launched already).
         -> `greedy`'s outputs and the logprobs or None."""
         K, B = self.K if width is None else width, slots.shape[0]
-        if passed is not None:
-            hidden, ids, base = passed
-        elif graphs is not None and graphs.fits(B, kv_len):
-            hidden, ids, base = graphs(slots, kv_len=kv_len)
-        else:
-            hidden, ids, base = self.target_pass(slots, kv_len, K)
+        passed = passed or self._target_pass_of(slots, kv_len, graphs, K)
+        hidden, ids, base = passed
         T = ids.shape[1]
         drafts, siblings = self._split_tree(ids, K)
         positions = base.unsqueeze(1) + self.node_depth[:T]  # [B, T] each node's position
