@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cpu_graphs import CpuStepGraphs
+from cpu_graphs import CpuStepGraphs, SharedPool
 from safetensors.torch import save_file
 
 from deployments.bench import eagle_set, load_prompts
@@ -281,10 +281,11 @@ def replay_graphs_on_cpu(runner, *parts: str, batch_only: bool = True) -> StepGr
     (batch_only=False: by length too, as the gather's)."""
     built = step_graph_set(runner, CpuStepGraphs, batch_only)
     every = ("prefill", "verify", "target_pass", "chain", "verify_by_width", "draft_depth")
+    chosen = StepGraphSet(**{part: getattr(built, part) for part in parts or every})
+    pool = SharedPool()  # captured in the engine's order, into one pool (capture_step_graphs)
+    for g in chosen.all():
+        g.pool = pool
+        g.capture_all()
     for part in parts or every:
-        graphs = getattr(built, part)
-        setattr(runner.graphs, part, graphs)
-        for g in graphs.values() if isinstance(graphs, dict) else [graphs]:
-            if g is not None:
-                g.capture_all()
+        setattr(runner.graphs, part, getattr(chosen, part))
     return runner.graphs

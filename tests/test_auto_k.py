@@ -4,6 +4,7 @@ target's own greedy continuation it drafts the most (K -> max); output stays pla
 The decision itself: tests/test_draft_length.py."""
 
 import contextlib
+import itertools
 
 import pytest
 import torch
@@ -73,3 +74,61 @@ def test_always_wrong_drafts_stop_drafting(auto_engine, smollm2_prompts, smollm2
     # plain decoding, but for the first steps (before the verifies tell) and the probes
     assert steps[0] >= 0.75 * sum(steps), steps
     assert sum(k > 0 for k in list(auto_engine.scheduler.tuner.recent)[-16:]) <= 1  # a probe
+
+
+@pytest.fixture(scope="module")
+def graphed_auto_engine():
+    """Auto K with every step graph (the CPU stand-in, its shared pool included), the start-up
+    cost profile run through them as on a GPU."""
+    from conftest import _smollm2, replay_graphs_on_cpu
+
+    from workers.step_costs import profile_step_costs
+
+    engine = _smollm2("default", num_draft_tokens="auto", max_batch_size=4)
+    replay_graphs_on_cpu(engine.executor)
+    engine.scheduler.tuner.costs = profile_step_costs(engine.executor)
+    return engine
+
+
+@contextlib.contextmanager
+def forced_choices(tuner, ks):
+    """The tuner picks the Ks of `ks` in turn, whatever it measures (its counts kept)."""
+    real, picks = tuner.choose, itertools.cycle(ks)
+
+    def choose(*args, **kwargs):
+        real(*args, **kwargs)
+        k = next(picks)
+        tuner.num_steps_by_k[tuner.recent.pop()] -= 1
+        tuner.num_steps_by_k[k] += 1
+        tuner.recent.append(k)
+        return k
+
+    tuner.choose = choose
+    try:
+        yield
+    finally:
+        tuner.choose = real
+
+
+CYCLE = [K_MAX, 4, 3, 2, 1, 0, 0, 1, 2, 3, 4, K_MAX, K_MAX, 0, K_MAX, 3, 0, 2]
+
+
+@pytest.mark.parametrize("ks", [["auto"], ["auto", 1, 0, 3]], ids=["alone", "beside_fixed_k"])
+def test_every_k_in_graphs_equals_plain(graphed_auto_engine, smollm2_prompts, smollm2_greedy_64, ks):
+    """The tuner forced through every K from the most to 0 and back, alone in its batch (the
+    whole chain's graph after a lowered K's verify_by_width) and beside rows of fixed K: each
+    row's output is plain decoding's and no row emits more than it verified (on the H100 the
+    chain's replay overwrote verify_by_width's outputs in their shared pool)."""
+    engine, n = graphed_auto_engine, len(ks)
+    tuner, graphs = engine.scheduler.tuner, engine.executor.graphs
+    before = list(tuner.num_steps_by_k), graphs.chain.replays
+    params = [SamplingParams(max_tokens=48, num_draft_tokens=k) for k in ks]
+    with forced_choices(tuner, CYCLE):
+        requests = run_to_completion(engine, smollm2_prompts[:n], params)
+    assert [r.output_ids for r in requests] == [ref[:48] for ref in smollm2_greedy_64[:n]]
+    chosen = [a - b for a, b in zip(tuner.num_steps_by_k, before[0])]
+    assert all(chosen), chosen  # every K from 0 to the most
+    assert sum(g.replays for g in graphs.verify_by_width.values()) > 0
+    if n == 1:
+        assert graphs.chain.replays > before[1]
+    assert requests[0].acceptance_length > 1.5

@@ -177,8 +177,10 @@ class StepGraphSet:
     estimated_bytes: int = 0  # estimated before it, where the pool was sized by measuring
 
     def all(self) -> list[StepGraphs]:
-        graphs = (self.prefill, self.verify, self.target_pass, self.chain)
-        graphs += (*self.verify_by_width.values(), self.draft_depth)
+        # capture order = replay order within a step (they share one pool): every verify graph
+        # before the chains, whose replays would otherwise overwrite a verify graph's outputs
+        graphs = (self.prefill, self.verify, self.target_pass, *self.verify_by_width.values())
+        graphs += (self.chain, self.draft_depth)
         return [g for g in graphs if g is not None]
 
     def limited_verify(self, width: int) -> StepGraphs | None:

@@ -260,6 +260,9 @@ class Scheduler:
         if prefill is not None:
             r.num_confirmed = len(r.prefill_ids)
         emitted = int(result.num_emitted[row])
+        most = 1 if prefill is not None else limit + 1
+        if not 0 <= emitted <= most:  # never emit a token the target did not verify
+            raise RuntimeError(f"result row {row} emitted {emitted} tokens, at most {most} valid")
         if prefill is None:
             self._count_acceptance(r, emitted, limit)
         logprobs = None
