@@ -114,7 +114,9 @@ CYCLE = [K_MAX, 4, 3, 2, 1, 0, 0, 1, 2, 3, 4, K_MAX, K_MAX, 0, K_MAX, 3, 0, 2]
 
 
 @pytest.mark.parametrize("ks", [["auto"], ["auto", 1, 0, 3]], ids=["alone", "beside_fixed_k"])
-def test_every_k_in_graphs_equals_plain(graphed_auto_engine, smollm2_prompts, smollm2_greedy_64, ks):
+def test_every_k_in_graphs_equals_plain(
+    graphed_auto_engine, smollm2_prompts, smollm2_greedy_64, ks
+):
     """The tuner forced through every K from the most to 0 and back, alone in its batch (the
     whole chain's graph after a lowered K's verify_by_width) and beside rows of fixed K: each
     row's output is plain decoding's and no row emits more than it verified (on the H100 the
