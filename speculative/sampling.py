@@ -143,7 +143,8 @@ def process_logits(
         ids = state.stop_ids[slots].unsqueeze(1).expand(B, T, -1)
         stops_from = state.stops_from[slots].unsqueeze(1)
         early = (positions < stops_from).unsqueeze(-1) & (ids >= 0)
-        logits = logits.scatter_add(-1, ids.clamp(min=0), torch.where(early, float("-inf"), 0.0))
+        early = torch.where(early, float("-inf"), 0.0).to(logits.dtype)
+        logits = logits.scatter_add(-1, ids.clamp(min=0), early)
     if plan.use_penalties:
         counts = state.output_counts[slots].unsqueeze(1).float()
         if tree_ids is not None:
@@ -182,9 +183,9 @@ def prompt_logprobs(logits_fn, hidden, targets: torch.Tensor, num_top: int, chun
     prompt token) from the final hidden states [B, T, H] through `logits_fn`, a row and `chunk`
     positions at a time: a prompt's logits over the whole vocabulary at once could take GBs."""
     B, T = targets.shape
-    chosen = torch.zeros(B, T, device=targets.device)
+    chosen = torch.zeros(B, T, dtype=torch.float32, device=targets.device)
     top_ids = torch.zeros(B, T, num_top, dtype=torch.long, device=targets.device)
-    top_logprobs = torch.zeros(B, T, num_top, device=targets.device)
+    top_logprobs = torch.zeros(B, T, num_top, dtype=torch.float32, device=targets.device)
     for b in range(B):
         for s in range(0, T, chunk):
             e = min(s + chunk, T)

@@ -55,7 +55,7 @@ class SlotState:
             self.in_prompt = torch.zeros(n, V, dtype=torch.bool, device=dev)
         if plan.use_logit_bias and self.bias_ids is None:
             self.bias_ids = torch.zeros(n, MAX_LOGIT_BIAS, dtype=torch.long, device=dev)
-            self.bias_values = torch.zeros(n, MAX_LOGIT_BIAS, device=dev)
+            self.bias_values = torch.zeros(n, MAX_LOGIT_BIAS, dtype=torch.float32, device=dev)
         if plan.use_min_tokens and self.stops_from is None:
             self.stops_from = torch.zeros(n, dtype=torch.long, device=dev)
             self.stop_ids = torch.full((n, MAX_STOP_IDS), -1, dtype=torch.long, device=dev)

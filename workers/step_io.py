@@ -108,7 +108,7 @@ def _prefill_inputs(plan: StepPlan) -> dict[str, torch.Tensor]:
         host[f"prefill_{name}"] = torch.tensor([getattr(p.params, name) for p in rows], dtype=dtype)
     if plan.use_logit_bias:  # [rows, MAX_LOGIT_BIAS] ids and values, padded with token 0, bias 0
         host["prefill_bias_ids"] = torch.zeros(len(rows), MAX_LOGIT_BIAS, dtype=torch.long)
-        host["prefill_bias_values"] = torch.zeros(len(rows), MAX_LOGIT_BIAS)
+        host["prefill_bias_values"] = torch.zeros(len(rows), MAX_LOGIT_BIAS, dtype=torch.float32)
         for i, p in enumerate(rows):
             bias = p.params.logit_bias
             host["prefill_bias_ids"][i, : len(bias)] = torch.tensor(list(bias), dtype=torch.long)
