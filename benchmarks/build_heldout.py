@@ -3,7 +3,7 @@ prompts that no training set holds, for acceptance on chat/writing and on code.
 
     apt-get download fortunes-min && dpkg-deb -x fortunes-min_*.deb /tmp/fortunes
     python benchmarks/build_heldout.py --fortunes /tmp/fortunes/usr/share/games/fortunes \
-        --train-prompts ../shared/data/train_prompts
+        --train-prompts DIR   # the training prompt files (*.jsonl.gz) the drafters learned from
 
 writing: Debian's fortunes-min quotations (literature, fortunes) inside writing and chat
 requests, one template each in turn. code: docstrings of the running CPython's pure-Python

@@ -2,7 +2,7 @@
 # Fills the git-ignored .device/wheels with what the device machine's site bundle lacks and the
 # engine imports: xgrammar and its compiled dependency, as cp312 manylinux wheels (about 5 MB),
 # and pytest for the GPU jobs that run test files compiled on CUDA (gpu/fp8_gpu_job.sh).
-# Run once from the project root after ../shared/hooks/device-bundle.sh; gpu/device_env.sh installs
+# Run once from the project root after the device bundle (.device/site); gpu/device_env.sh installs
 # them into /tmp/site on the device when a setup call carries .device/wheels.
 set -euo pipefail
 plat="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64"

@@ -27,6 +27,7 @@ def print_table(runs: list[dict]) -> None:
             percent(r["nvml_busy_fraction"]), f"{r['extra_pass_share']:.1%}",
         ]  # fmt: skip
         print(" ".join(f"{cell:>{width}}" for cell, width in zip(cells, TABLE.values())))
+    print("each load timed after an untimed run of its batch (graphs, kernels and grammars warm)")
 
 
 def _mean_k(steps_by_k: list[int] | None) -> str:

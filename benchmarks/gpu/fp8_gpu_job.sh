@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # FP8 weights and the FP8 KV cache on one GPU, in one device call of under 8 minutes (carry
-# .device/site and .device/wheels: ../shared/hooks/device-bundle.sh and
+# .device/site and .device/wheels: the device bundle (.device/site) and
 # benchmarks/device_wheels.sh build them; no GGUF needed). Parts in priority order, each under
 # its own timeout, skipped once the budget ($BUDGET seconds, default 450) would be overrun;
 # PARTS="..." picks some. JSON under $OUT, a table of each part on stdout.

@@ -10,9 +10,12 @@ from speculative.engine.request import Request, RequestError
 from speculative.engine.request_blocks import RequestBlocks
 from speculative.plan import PrefillRow
 
-# a constrained request in flight is planned again, its masks sent late (Scheduler.late_grammar);
-# EAGLESERVE_LATE_GRAMMAR=0 waits for its results instead (every second step), for A/B
-LATE_GRAMMAR = os.environ.get("EAGLESERVE_LATE_GRAMMAR", "1") != "0"
+
+def late_grammar() -> bool:
+    """A constrained request in flight is planned again, its masks sent late
+    (Scheduler.late_grammar); EAGLESERVE_LATE_GRAMMAR=0 waits for its results instead (every
+    second step), for A/B. Read when a planner is made."""
+    return os.environ.get("EAGLESERVE_LATE_GRAMMAR", "1") != "0"
 
 
 class PrefillPlanner:
@@ -28,6 +31,7 @@ class PrefillPlanner:
         self.running = running  # the scheduler's, in admission order (read here, never changed)
         self.kv = kv  # the paged pool's blocks; None: the workers' contiguous per-slot caches
         self.k, self.tree_rows = k, tree_rows
+        self.late_grammar = late_grammar()
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
 
@@ -53,7 +57,7 @@ class PrefillPlanner:
             for r in active
             if r.num_prefilled == len(r.prefill_ids)
             and not will_surely_finish(r)
-            and (LATE_GRAMMAR or r.grammar is None or not r.in_flight)
+            and (self.late_grammar or r.grammar is None or not r.in_flight)
         ]
         budget = self.max_num_batched_tokens
         if self.kv is not None:

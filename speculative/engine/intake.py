@@ -38,8 +38,16 @@ class RequestIntake:
         self.grammars: Grammars | None = None  # compiles structured outputs' constraints
         self.markers: dict[str, MarkerTokens] = {}  # reasoning's end markers (reasoning_end)
 
-    def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise RequestError if the request cannot be served; changes nothing."""
+    def validate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, policy: str = "fcfs"
+    ) -> None:
+        """Raise RequestError if the request cannot be served (under the scheduling `policy`);
+        changes nothing."""
+        if params.priority and policy == "fcfs":  # as vLLM's documentation says
+            raise RequestError(
+                f"priority {params.priority} needs the priority scheduling policy "
+                "(--scheduling-policy priority); this server's is fcfs"
+            )
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:

@@ -102,6 +102,8 @@ class LLMEngine:
         plan = self.scheduler.plan()
         if plan is not None:
             self.in_flight.append((plan, self.executor.execute(plan)))
+        elif not self.in_flight and self.scheduler.has_work:  # nothing would ever change
+            raise RuntimeError("requests are running, but no step holds them and none is planned")
         depth = 1 if self.overlap else 0
         if len(self.in_flight) > depth or (plan is None and self.in_flight):
             done_plan, handle = self.in_flight.popleft()

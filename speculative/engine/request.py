@@ -113,6 +113,14 @@ class StepStats:
     accepted_at: list[int] = field(default_factory=list)  # per draft position
     num_preemptions: int = 0
 
+    def count_verify(self, accepted: int, limit: int) -> None:
+        """A row that verified `limit` drafts and accepted the first `accepted`."""
+        self.num_verify_rows += 1
+        self.num_draft_proposed += limit
+        self.num_draft_accepted += accepted
+        for j in range(accepted):
+            self.accepted_at[j] += 1
+
 
 def row_logprobs(arrays: tuple | None, row: int, columns, n: int | None) -> list | None:
     """(log-probability, top n [(id, log-probability)]) per column of a row of StepResult's

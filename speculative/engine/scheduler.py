@@ -8,13 +8,11 @@ there are dropped, and its slot is released only after the last step that used i
 
 It keeps the queues and slots. Its parts: the intake checks and builds new requests (intake.py),
 the prefill planner fills each step's token budget (chunked_prefill.py), and the paged pool's
-bookkeeping reserves each step's blocks and picks whom to preempt (request_blocks.py); the
-scheduling policy orders the waiting queue (waiting_queue.py) and picks whom to preempt."""
+bookkeeping reserves each step's blocks and picks whom to preempt (request_blocks.py), the
+policy orders the waiting queue (waiting_queue.py), step_grammar.py plans constrained rows."""
 
 import itertools
 import logging
-
-import torch
 
 from speculative.config import SamplingParams
 from speculative.engine.block_manager import BlockManager
@@ -24,8 +22,8 @@ from speculative.engine.draft_tuner import DraftTuner
 from speculative.engine.intake import RequestIntake
 from speculative.engine.request import Request, RequestError, RequestOutput, StepStats, row_logprobs
 from speculative.engine.request_blocks import RequestBlocks
+from speculative.engine.step_grammar import add_grammar_masks, follow_grammar, late_grammar
 from speculative.engine.waiting_queue import WaitingQueue
-from speculative.grammar import bitmask_width
 from speculative.plan import LateGrammar, PrefillRow, StepPlan, StepResult, step_flags
 
 log = logging.getLogger(__name__)
@@ -75,12 +73,7 @@ class Scheduler:
 
     def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError if the request cannot be served; changes nothing."""
-        if params.priority and self.waiting.policy == "fcfs":  # as vLLM's documentation says
-            raise RequestError(
-                f"priority {params.priority} needs the priority scheduling policy "
-                "(--scheduling-policy priority); this server's is fcfs"
-            )
-        self.intake.validate(request_id, prompt_ids, params)
+        self.intake.validate(request_id, prompt_ids, params, self.waiting.policy)
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
         self.validate(request_id, prompt_ids, params)
@@ -95,14 +88,12 @@ class Scheduler:
         return request_id in self.running or any(r.request_id == request_id for r in self.waiting)
 
     def abort(self, request_id: str) -> None:
-        for r in self.waiting:
-            if r.request_id == request_id:
-                r.finish_reason = "abort"
-                self.waiting.remove(r)
-                return
-        request = self.running.get(request_id)
-        if request is not None and not request.is_finished:
-            self._finish(request, "abort")
+        waiting = next((r for r in self.waiting if r.request_id == request_id), None)
+        if waiting is not None:
+            waiting.finish_reason = "abort"
+            self.waiting.remove(waiting)
+        elif (r := self.running.get(request_id)) is not None and not r.is_finished:
+            self._finish(r, "abort")
 
     @property
     def has_work(self) -> bool:
@@ -117,9 +108,8 @@ class Scheduler:
         return sum(not r.is_finished for r in self.running.values())
 
     def metrics(self) -> dict[str, float]:
-        """vLLM's scheduler metrics, by their names (deployments/replica_metrics.py exports them
-        as vLLM's series); prefix-cache queries and hits count tokens, usage is the fraction of
-        blocks in use."""
+        """vLLM's scheduler metrics by their names (deployments/replica_metrics.py): prefix-cache
+        queries and hits count tokens, usage is the fraction of blocks in use."""
         manager = self.kv.manager if self.kv is not None else None
         return {
             "num_requests_running": self.num_running,
@@ -185,39 +175,13 @@ class Scheduler:
         self.rows_of_step[step_id] = [r.request_id for r in rows]
         return plan
 
-    def _add_grammar_masks(self, plan: StepPlan, rows: list[Request]) -> None:
-        """The mask rows of the plan's constrained rows, after their output and drafts
-        (speculative/grammar.py); a row whose last step is still in flight gets them once that
-        step is processed (`late_grammar`)."""
-        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
-        plan.late_grammar_rows = [i for i in constrained if rows[i].in_flight > 1]
-        ready = [i for i in constrained if rows[i].in_flight == 1]
-        if ready:
-            plan.grammar_rows = ready
-            plan.grammar_masks, plan.draft_grammars = self._grammar_masks(plan, rows, ready)
+    def _add_grammar_masks(self, plan: StepPlan, rows: list[Request]) -> None:  # timed by name
+        add_grammar_masks(plan, rows, 1 + self.k + self.tree_rows)
 
     def late_grammar(self, plan: StepPlan) -> LateGrammar | None:
         """Once the step before `plan` is processed: the masks of plan's late rows."""
-        if not plan.late_grammar_rows:
-            return None
         rows = [self.running[i] for i in self.rows_of_step[plan.step_id]]
-        late = plan.late_grammar_rows
-        masks, draft_rows = self._grammar_masks(plan, rows, late)
-        return LateGrammar(plan.step_id, late, masks, draft_rows)
-
-    def _grammar_masks(self, plan: StepPlan, rows: list[Request], indices: list[int]) -> tuple:
-        """-> the bitmasks of rows[indices] [n, T, W] and what the ranks' draft grammars need."""
-        T = 1 + self.k + self.tree_rows
-        width = bitmask_width(self.intake.grammars.vocab_size)
-        masks = torch.empty(len(indices), T, width, dtype=torch.int32)
-        for n, i in enumerate(indices):
-            rows[i].grammar.fill(masks[n], *rows[i].drafts)
-        if not self.k:
-            return masks.numpy(), []
-        # the ranks' drafts follow the grammar too (workers/draft_grammar.py)
-        admitted = [i < len(plan.prefills) and not plan.prefills[i].is_continued for i in indices]
-        draft_rows = (rows[i].draft_grammar_row(a) for i, a in zip(indices, admitted))
-        return masks.numpy(), [d for d in draft_rows if d is not None]
+        return late_grammar(plan, rows, 1 + self.k + self.tree_rows)
 
     # ---- results ----
 
@@ -275,13 +239,9 @@ class Scheduler:
         delta = ""
         if self.tokenizer is not None and (new or r.is_finished):
             delta = detokenize(self.tokenizer, r)
+        logprobs = logprobs[: len(new)] if logprobs is not None else None
         output = RequestOutput(
-            r.request_id,
-            new,
-            delta,
-            r.finish_reason,
-            r.acceptance_length,
-            logprobs[: len(new)] if logprobs is not None else None,
+            r.request_id, new, delta, r.finish_reason, r.acceptance_length, logprobs
         )
         if r.grammar is not None:
             self._follow_grammar(r, output.new_token_ids, result, row)
@@ -301,26 +261,17 @@ class Scheduler:
         return True
 
     def _follow_grammar(self, r: Request, tokens: list[int], result: StepResult, row: int):
-        if not r.grammar.accept(tokens):  # cannot happen: the mask allowed every token
+        if not follow_grammar(r, tokens, result, row):  # cannot happen: the mask allowed them
             log.error("request %s: output left its grammar", r.request_id)
             self._finish(r, "abort")
-        if result.drafts is not None:
-            siblings = result.siblings[row].tolist() if result.siblings is not None else []
-            r.drafts = (result.drafts[row].tolist(), siblings)
 
     def _count_acceptance(self, r: Request, emitted: int, limit: int) -> None:
-        """Only drafts that were verified count: none for a row that verified none (K=0), its
-        own K's for one that lowered it."""
-        if not limit:
-            return
-        self.tuner.observe(r, emitted - 1, limit)
-        r.num_verify_steps += 1
-        r.num_verify_emitted += emitted
-        self.stats.num_verify_rows += 1
-        self.stats.num_draft_proposed += limit
-        self.stats.num_draft_accepted += emitted - 1
-        for j in range(emitted - 1):
-            self.stats.accepted_at[j] += 1
+        """Only verified drafts count: none for a row that verified none (K=0)."""
+        if limit:
+            self.tuner.observe(r, emitted - 1, limit)
+            r.num_verify_steps += 1
+            r.num_verify_emitted += emitted
+            self.stats.count_verify(emitted - 1, limit)
 
     def _finish(self, r: Request, reason: str) -> None:
         r.finish_reason = reason
@@ -336,9 +287,8 @@ class Scheduler:
         self.running.pop(r.request_id, None)
 
     def _preempt(self, preempted: list[Request]) -> None:
-        """Requests that gave their blocks back queue again (fcfs: in front, oldest first), to be
-        prefilled from their prompt and output once no step in flight holds them: the tokens such
-        a step emits are streamed and kept, as without preemption."""
+        """Requests that gave their blocks back queue again (fcfs: in front, oldest first) once no
+        step in flight holds them (whose tokens are streamed and kept, as without preemption)."""
         self.stats.num_preemptions += len(preempted)
         for r in preempted:
             if r.in_flight == 0:
