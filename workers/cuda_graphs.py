@@ -204,7 +204,7 @@ def prefill_graphs(runner, graphs_class=StepGraphs) -> StepGraphs:
     lengths = [n for n in kv_buckets(runner.max_model_len, 16) if n <= max_tokens]
     inputs = [GraphInput(torch.long, pad=1), GraphInput(torch.long)]
     inputs.append(GraphInput(torch.long, per_token=True))
-    fn, slots, dummy = runner._prefill_graphed, runner.num_slots, runner.kv.dummy_slot
+    fn, slots, dummy = runner.prefiller.graphed, runner.num_slots, runner.kv.dummy_slot
     return graphs_class(fn, slots, lengths, dummy, inputs, runner.device, max_tokens)
 
 
