@@ -27,7 +27,8 @@ from speculative.drafter_format import load_drafter
 from speculative.engine.llm_engine import encode_prompt  # noqa: E402
 from speculative.train.config import TrainConfig  # noqa: E402
 from speculative.train.data import TokenStore, batches, collate, load_data  # noqa: E402
-from speculative.train.trainer import load_target, train_step  # noqa: E402
+from speculative.train.drafter_init import load_target  # noqa: E402
+from speculative.train.trainer import train_step  # noqa: E402
 from speculative.train.ttt import loss_rows  # noqa: E402
 from workers.device import pick_device, pick_dtype  # noqa: E402
 from workers.models.loader import resolve_model

@@ -22,8 +22,8 @@ from speculative.drafter_format import (
 )
 from speculative.drafter_int8 import dequantize_int8
 from speculative.engine.llm_engine import LLMEngine, encode_prompt
+from speculative.train import checkpoint, trainer
 from speculative.train import data as train_data
-from speculative.train import trainer
 from speculative.train.config import DistillConfig, TrainConfig
 from speculative.train.data import (
     PAD_MULTIPLE,
@@ -31,16 +31,19 @@ from speculative.train.data import (
     batches,
     collate,
     data_parts,
+    load_data,
+    save_parts,
+)
+from speculative.train.distill import (
     distill_order,
     length_sorted_chunks,
-    load_data,
     prompt_order,
-    save_parts,
     self_distill,
     self_distill_in_processes,
 )
+from speculative.train.drafter_init import init_drafter, load_target
 from speculative.train.pipeline import train_drafter
-from speculative.train.trainer import init_drafter, load_target, train_step
+from speculative.train.trainer import train_step
 from speculative.train.ttt import loss_rows, ttt_loss, ttt_mask
 from workers.models import ModelConfig, load_config
 from workers.models.loader import load_tokenizer
@@ -734,7 +737,7 @@ def test_checkpoint_survives_a_kill_while_saving(trained, tmp_path, monkeypatch)
     )
     train_drafter(straight)
     killed = straight.model_copy(update={"output": str(tmp_path / "killed")})
-    real_save_file, calls = trainer.save_file, []
+    real_save_file, calls = checkpoint.save_file, []
 
     def dies_in_the_second_save(tensors, path):  # the optimizer file of the step-4 checkpoint
         calls.append(path)
@@ -742,7 +745,7 @@ def test_checkpoint_survives_a_kill_while_saving(trained, tmp_path, monkeypatch)
             raise KeyboardInterrupt
         real_save_file(tensors, path)
 
-    monkeypatch.setattr(trainer, "save_file", dies_in_the_second_save)
+    monkeypatch.setattr(checkpoint, "save_file", dies_in_the_second_save)
     with pytest.raises(KeyboardInterrupt):
         train_drafter(killed)
     monkeypatch.undo()

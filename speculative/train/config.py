@@ -25,7 +25,7 @@ class DistillConfig(BaseModel):
     temperature: float = Field(0.7, gt=0.0, le=2.0)
     max_batch_size: int = Field(256, ge=1, le=1024)
     # engines in processes of their own sharing the device, to fill the GPU's idle time while each
-    # one's host works (data.self_distill_in_processes)
+    # one's host works (distill.self_distill_in_processes)
     num_workers: int = Field(1, ge=1, le=16)
     time_limit_s: float | None = Field(None, gt=0)  # stop admitting prompts after this
     # prompts of at least this many characters go first (0: none do): long inputs are rare in the

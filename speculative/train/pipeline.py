@@ -10,14 +10,8 @@ from pathlib import Path
 import torch
 
 from speculative.train.config import TrainConfig
-from speculative.train.data import (
-    TokenStore,
-    data_parts,
-    load_data,
-    save_parts,
-    self_distill,
-    self_distill_in_processes,
-)
+from speculative.train.data import TokenStore, data_parts, load_data, save_parts
+from speculative.train.distill import self_distill, self_distill_in_processes
 from speculative.train.trainer import check_config, train
 
 log = logging.getLogger(__name__)

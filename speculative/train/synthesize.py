@@ -12,8 +12,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from speculative.config import SamplingParams
-from speculative.train.data import generate_in_waves
 from speculative.train.decontaminate import Decontaminator, DuplicateFilter, read_benchmark_prompts
+from speculative.train.distill import generate_in_waves
 from speculative.train.request_kinds import RequestSpec, draw_spec
 from speculative.train.synth_config import SynthConfig
 
