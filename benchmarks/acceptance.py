@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from deployments.bench import (  # noqa: E402
+from deployments.prompt_sets import (  # noqa: E402
     EAGLE_SETS,
     HELDOUT_SETS,
     eagle_set,

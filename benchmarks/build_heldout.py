@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from deployments.bench import DATA, EAGLE_SETS, GSM8K_TEST, eagle_set  # noqa: E402
+from deployments.prompt_sets import DATA, EAGLE_SETS, GSM8K_TEST, eagle_set  # noqa: E402
 from speculative.train.decontaminate import Decontaminator, read_benchmark_prompts  # noqa: E402
 
 WRITING_TEMPLATES = (

@@ -43,7 +43,7 @@ def run_config(spec: dict) -> dict:
     capture = LogCapture()
     logging.getLogger().addHandler(capture)
     logging.getLogger().setLevel(logging.INFO)
-    from deployments.bench import load_prompts
+    from deployments.prompt_sets import load_prompts
     from speculative.config import EngineConfig, SamplingParams
     from speculative.engine.llm_engine import LLMEngine, encode_prompt
 

@@ -16,7 +16,7 @@ import torch  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from deployments.bench import load_prompts  # noqa: E402
+from deployments.prompt_sets import load_prompts  # noqa: E402
 from speculative.config import EngineConfig, SamplingParams  # noqa: E402
 from speculative.engine.llm_engine import LLMEngine, encode_prompt  # noqa: E402
 

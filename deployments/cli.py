@@ -193,7 +193,7 @@ def cmd_train_drafter(args) -> None:
 def _synthesis_fields(args, fields: dict) -> None:
     """--synthesize's settings, decontaminated against every benchmark set shipped here; the
     acceptance at the end on the held-out sets unless --eval-prompts says otherwise."""
-    from deployments.bench import benchmark_files, heldout_files
+    from deployments.prompt_sets import benchmark_files, heldout_files
 
     synth = {
         k: v

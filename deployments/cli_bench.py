@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from deployments.local_ray import local_cpus, local_ray_env
+from deployments.prompt_sets import load_prompts
 
 
 def _bench_sweep(args) -> tuple[list[int], list[int], list[int], list[str]]:
@@ -80,10 +81,10 @@ def cmd_bench(args) -> None:
         local_ray_env()
     import ray
 
-    from deployments import bench, bench_report
+    from deployments import bench_report
 
     ks, batches, siblings, modes = _bench_sweep(args)
-    prompts = bench.load_prompts(args.dataset, max(args.num_prompts, 1))
+    prompts = load_prompts(args.dataset, max(args.num_prompts, 1))
     ray.init(
         address=address,
         num_cpus=None if args.device == "cuda" else local_cpus(1),
@@ -116,7 +117,7 @@ def _loadtest_levels(args) -> tuple[list[int] | None, list[float] | None]:
 
 
 def cmd_loadtest(args) -> None:
-    from deployments import bench, loadtest
+    from deployments import loadtest
 
     url = loadtest.check_url(args.url, args.allow_remote)
     if args.num_requests < 1 or args.duration <= 0 or args.timeout <= 0 or args.max_tokens < 1:
@@ -124,7 +125,7 @@ def cmd_loadtest(args) -> None:
             "--num-requests and --max-tokens must be >= 1, --duration and --timeout > 0"
         )
     concurrency, rate = _loadtest_levels(args)
-    prompts = bench.load_prompts(args.dataset, args.num_requests)
+    prompts = load_prompts(args.dataset, args.num_requests)
     runs = loadtest.loadtest(
         url,
         prompts,

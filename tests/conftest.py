@@ -11,7 +11,7 @@ import torch
 from cpu_graphs import CpuStepGraphs, SharedPool
 from safetensors.torch import save_file
 
-from deployments.bench import eagle_set, load_prompts
+from deployments.prompt_sets import eagle_set, load_prompts
 from workers.cuda_graphs import StepGraphSet, step_graph_set
 
 # A 2-core machine shared with other jobs: OpenMP worker threads spin against each other and make

@@ -14,9 +14,9 @@ from serve_app import start_app, stop_app
 from tiny_models import tiny_llama
 
 from deployments import loadtest
-from deployments.bench import load_prompts
 from deployments.cli import main
 from deployments.config import ServeConfig
+from deployments.prompt_sets import load_prompts
 from workers.distributed import free_port
 
 KEY = "loadtest-key"

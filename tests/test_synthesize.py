@@ -8,8 +8,8 @@ import json
 import pytest
 from tiny_models import tiny_llama
 
-from deployments.bench import GSM8K_TEST, benchmark_files
 from deployments.cli import main
+from deployments.prompt_sets import GSM8K_TEST, benchmark_files
 from speculative.config import EngineConfig, SamplingParams
 from speculative.engine.llm_engine import LLMEngine, encode_prompt
 from speculative.train.corpus import corpus_store
