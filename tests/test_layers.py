@@ -60,3 +60,25 @@ def test_a_circle_of_packages_is_found(tree):
             (package / module).touch()
         add_line(tree / "workers" / name, line)
     assert violations(tree) == ["packages import each other: workers.a -> workers.b"]
+
+
+def tracked_files() -> list[Path]:
+    import subprocess
+
+    names = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout
+    return [ROOT / name for name in names.split()]
+
+
+def test_source_files_stay_small_and_name_no_outside_folder():
+    """No source file (tests aside) over 300 lines; no file names the folder beside the checkout
+    (what the repository needs, it holds)."""
+    long, outside = [], []
+    for path in tracked_files():
+        if path.suffix == ".py" and "tests" not in path.parts:
+            if len(path.read_text().splitlines()) > 300:
+                long.append(path.name)
+        if path.suffix in (".py", ".sh", ".md", ".yaml", ".toml", ".txt", ""):
+            if path.is_file() and "../" + "shared" in path.read_text(errors="replace"):
+                outside.append(path.name)
+    assert not long, long
+    assert not outside, outside
