@@ -78,15 +78,11 @@ def test_always_wrong_drafts_stop_drafting(auto_engine, smollm2_prompts, smollm2
 
 @pytest.fixture(scope="module")
 def graphed_auto_engine():
-    """Auto K with every step graph (the CPU stand-in, its shared pool included), the start-up
-    cost profile run through them as on a GPU."""
+    """Auto K with every step graph (the CPU stand-in, its shared pool included)."""
     from conftest import _smollm2, replay_graphs_on_cpu
-
-    from workers.step_costs import profile_step_costs
 
     engine = _smollm2("default", num_draft_tokens="auto", max_batch_size=4)
     replay_graphs_on_cpu(engine.executor)
-    engine.scheduler.tuner.costs = profile_step_costs(engine.executor)
     return engine
 
 
