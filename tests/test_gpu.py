@@ -221,6 +221,26 @@ def test_mixed_k_and_constrained_steps_replay_graphs():
     assert [r.output_ids for r in engine.generate(prompts, params)] == results[0][0]
 
 
+def test_auto_k_through_every_k_equals_eager():
+    """num_draft_tokens auto with the tuner forced from K=5 down to 0 and back, alone in the batch
+    (verify_by_width, then the whole chain's graph, which once overwrote its results in the
+    shared pool: tests/test_auto_k.py is the CPU form): graphed output equals eager and plain."""
+    import itertools
+
+    plain = _generate("none", graphs=False, max_batch_size=1, questions=QUESTIONS[:2])
+    cycle = [5, 4, 3, 2, 1, 0, 0, 1, 2, 3, 4, 5, 5, 0, 5, 3, 0, 2]
+    for graphs in (False, True):
+        cfg = EngineConfig(model=MODEL, drafter=DRAFTER, num_draft_tokens="auto",
+                           max_batch_size=1, max_model_len=512, device="cuda", dtype="float32",
+                           kv_cache_memory_gb=POOL_GB, cuda_graphs=graphs)  # fmt: skip
+        engine = LLMEngine(cfg)
+        tuner, picks = engine.scheduler.tuner, itertools.cycle(cycle)
+        tuner.choose = lambda *args, _picks=picks, **kwargs: next(_picks)
+        prompts = [encode_prompt(engine.tokenizer, q) for q in QUESTIONS[:2]]
+        params = SamplingParams(max_tokens=48)
+        assert [r.output_ids for r in engine.generate(prompts, params)] == plain, graphs
+
+
 def test_prompt_lookup_drafts_the_same_in_graphs():
     """Greedy output cannot show the drafts; the number of accepted drafts can. With prompt lookup
     on, its token history is written and read inside the graphs: graphs and
