@@ -72,6 +72,7 @@ class ReasoningGrammar:
 
     def __init__(self, grammar: RequestGrammar, tokenizer, marker: MarkerTokens):
         self.grammar, self.tokenizer, self.marker = grammar, tokenizer, marker
+        self.width = grammar.width  # words of a mask row, as RequestGrammar's
         # every token has a character at least: this many hold the text the checks need
         self.window = len(marker.marker) + 1
         self.tail: list[int] = []  # the reasoning's last tokens
