@@ -29,7 +29,7 @@ def engine():
 @pytest.fixture(scope="module")
 def plain(smollm2_engine):
     prompts = [encode_prompt(smollm2_engine.tokenizer, q) for q in QUESTIONS[:4]]
-    params = [SamplingParams(max_tokens=16, structured=s) for s in SPECS[:4]]
+    params = [SamplingParams(max_tokens=12, structured=s) for s in SPECS[:4]]
     return prompts, params, [r.output_ids for r in smollm2_engine.generate(prompts, params)]
 
 
