@@ -1,7 +1,8 @@
 """`num_draft_tokens: auto` through the real engine (SmolLM2, the shipped drafter, the start-up
-cost profile): with proposals forced to be always wrong it stops drafting (K -> 0), with the
-target's own greedy continuation it drafts the most (K -> max); output stays plain decoding's.
-The decision itself: tests/test_draft_length.py."""
+cost profile, every step graph as the CPU stand-in): with proposals forced to be always wrong it
+stops drafting (K -> 0), with the target's own greedy continuation it drafts the most
+(K -> max); forced through every K, alone and beside rows of fixed K; output stays plain
+decoding's. The decision itself: tests/test_draft_length.py."""
 
 import contextlib
 import itertools
@@ -17,9 +18,12 @@ K_MAX = 5
 
 @pytest.fixture(scope="module")
 def auto_engine():
-    from conftest import _smollm2
+    """Auto K with every step graph (the CPU stand-in, its shared pool included)."""
+    from conftest import _smollm2, replay_graphs_on_cpu
 
-    return _smollm2("default", num_draft_tokens="auto", max_batch_size=2)
+    engine = _smollm2("default", num_draft_tokens="auto", max_batch_size=4)
+    replay_graphs_on_cpu(engine.executor)
+    return engine
 
 
 @contextlib.contextmanager
@@ -76,16 +80,6 @@ def test_always_wrong_drafts_stop_drafting(auto_engine, smollm2_prompts, smollm2
     assert sum(k > 0 for k in list(auto_engine.scheduler.tuner.recent)[-16:]) <= 1  # a probe
 
 
-@pytest.fixture(scope="module")
-def graphed_auto_engine():
-    """Auto K with every step graph (the CPU stand-in, its shared pool included)."""
-    from conftest import _smollm2, replay_graphs_on_cpu
-
-    engine = _smollm2("default", num_draft_tokens="auto", max_batch_size=4)
-    replay_graphs_on_cpu(engine.executor)
-    return engine
-
-
 @contextlib.contextmanager
 def forced_choices(tuner, ks):
     """The tuner picks the Ks of `ks` in turn, whatever it measures (its counts kept)."""
@@ -110,14 +104,12 @@ CYCLE = [K_MAX, 4, 3, 2, 1, 0, 0, 1, 2, 3, 4, K_MAX, K_MAX, 0, K_MAX, 3, 0, 2]
 
 
 @pytest.mark.parametrize("ks", [["auto"], ["auto", 1, 0, 3]], ids=["alone", "beside_fixed_k"])
-def test_every_k_in_graphs_equals_plain(
-    graphed_auto_engine, smollm2_prompts, smollm2_greedy_64, ks
-):
+def test_every_k_in_graphs_equals_plain(auto_engine, smollm2_prompts, smollm2_greedy_64, ks):
     """The tuner forced through every K from the most to 0 and back, alone in its batch (the
     whole chain's graph after a lowered K's verify_by_width) and beside rows of fixed K: each
     row's output is plain decoding's and no row emits more than it verified (on the H100 the
     chain's replay overwrote verify_by_width's outputs in their shared pool)."""
-    engine, n = graphed_auto_engine, len(ks)
+    engine, n = auto_engine, len(ks)
     tuner, graphs = engine.scheduler.tuner, engine.executor.graphs
     before = list(tuner.num_steps_by_k), graphs.chain.replays
     params = [SamplingParams(max_tokens=48, num_draft_tokens=k) for k in ks]
