@@ -39,7 +39,7 @@ class RequestIntake:
         self.markers: dict[str, MarkerTokens] = {}  # reasoning's end markers (reasoning_end)
 
     def validate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, policy: str = "fcfs"
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, policy: str
     ) -> None:
         """Raise RequestError if the request cannot be served (under the scheduling `policy`);
         changes nothing."""

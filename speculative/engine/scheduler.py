@@ -47,8 +47,8 @@ class Scheduler:
         step_costs: dict | None = None,  # the runner's profiled decode steps (draft_tuner.py)
     ):
         self.num_slots, self.max_model_len, self.k = num_slots, max_model_len, k
-        # KV rows a verify pass writes past the chain (the draft tree's siblings)
-        self.tree_rows = tree_rows
+        # KV rows a verify pass writes past the chain (the draft tree's siblings); nodes a row
+        self.tree_rows, self.num_nodes = tree_rows, 1 + k + tree_rows
         self.eos_token_ids, self.tokenizer = eos_token_ids, tokenizer  # for outputs' stops and text
         self.waiting = WaitingQueue(policy)
         self.arrivals = itertools.count()
@@ -155,9 +155,9 @@ class Scheduler:
             r.in_flight += 1
             r.last_step = step_id
         # the KV rows any row may read: its tokens, the steps in flight, this step's drafts
-        ahead = self.k + 1 + self.tree_rows
         span = max(
-            len(r.prompt_ids) + len(r.output_ids) + r.in_flight * (self.k + 1) + ahead for r in rows
+            len(r.prompt_ids) + len(r.output_ids) + r.in_flight * (self.k + 1) + self.num_nodes
+            for r in rows
         )
         plan = StepPlan(
             step_id=step_id,
@@ -176,12 +176,12 @@ class Scheduler:
         return plan
 
     def _add_grammar_masks(self, plan: StepPlan, rows: list[Request]) -> None:  # timed by name
-        add_grammar_masks(plan, rows, 1 + self.k + self.tree_rows)
+        add_grammar_masks(plan, rows, self.num_nodes)
 
     def late_grammar(self, plan: StepPlan) -> LateGrammar | None:
         """Once the step before `plan` is processed: the masks of plan's late rows."""
         rows = [self.running[i] for i in self.rows_of_step[plan.step_id]]
-        return late_grammar(plan, rows, 1 + self.k + self.tree_rows)
+        return late_grammar(plan, rows, self.num_nodes)
 
     # ---- results ----
 
