@@ -1,8 +1,9 @@
-"""FP8 checkpoints and `quantization: fp8` on CPU (the fallback matmul, which quantizes the
-activations as the GPU's `torch._scaled_mm` path does): every other quantization_config refused
-by name before any weight is read; each FP8 layout held to its dequantized twin run by
-transformers within FP8 tolerance; FP8 layers sharded for TP reassembling to the unsharded
-result; speculative greedy equal to plain greedy with an FP8 target."""
+"""FP8 checkpoints and `quantization: fp8` on CPU (prefill's fallback matmul quantizes the
+activations as the GPU's `torch._scaled_mm` path does; a step's few rows are weight-only):
+every other quantization_config refused by name before any weight is read; each FP8 layout
+held to its dequantized twin run by transformers within FP8 tolerance; FP8 layers sharded for TP
+reassembling to the unsharded result; speculative greedy equal to plain greedy with an FP8
+target."""
 
 import json
 import shutil
@@ -148,9 +149,10 @@ def test_quantization_fp8_quantizes_a_float_checkpoint(float_dir):
     assert target.lm_head.weight.dtype == torch.float32  # the LM head and embeddings stay
 
 
-def test_fp8_matmul_quantizes_activations_per_token():
-    """The fallback matmul: each token's activations to its own scale (a row of zeros stays
-    zero), the weights' per-row scales after the product."""
+def test_fp8_matmul_quantizes_activations_per_token(monkeypatch):
+    """The fallback matmul (prefill's rows; here every size): each token's activations to its
+    own scale (a row of zeros stays zero), the weights' per-row scales after the product."""
+    monkeypatch.setenv("EAGLESERVE_FP8_WEIGHT_ONLY", "0")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 64, generator=g) * torch.tensor([1.0, 100.0, 0.01, 0.0, 3.0])[:, None]
     w = torch.randn(48, 64, generator=g) * 0.1

@@ -4,9 +4,12 @@
 # benchmarks/device_wheels.sh build them; no GGUF needed). Parts in priority order, each under
 # its own timeout, skipped once the budget ($BUDGET seconds, default 450) would be overrun;
 # PARTS="..." picks some. JSON under $OUT, a table of each part on stdout.
+#   wo        the weight-only FP8 kernel against _scaled_mm, bf16 and the floor at 8B's shapes and
+#             M = 1..512, a sweep of its block configurations (fp8_weight_only_bench.py)
 #   gemm      torch._scaled_mm against the fallback at Llama-3.1-8B's shapes; a CUDA graph replay
 #   kernel    the compiled paged kernel over an FP8 pool against the gather path; its time
-#   tests     tests/test_paged_attention.py's FP8 cases compiled on CUDA (TRITON_INTERPRET=0)
+#   tests     tests/test_paged_attention.py's FP8 cases and tests/test_fp8_weight_only.py compiled
+#             on CUDA (TRITON_INTERPRET=0)
 #   floor     step_floor.py, 8B shape and a random EAGLE-3 head, K=5, batch 1, 8, 32 at 1k and 8k:
 #             the verify pass with FP8 weights, then bf16 (against FP8's weight-read floor)
 #   plain     step_floor.py without a drafter at 1k: plain decoding's tokens/s, FP8 and bf16
@@ -29,7 +32,7 @@ else
 fi
 export PYTHONUNBUFFERED=1
 END=$((SECONDS + ${BUDGET:-450}))
-PARTS=" ${PARTS:-gemm kernel tests floor plain capacity fp8kv} "
+PARTS=" ${PARTS:-wo tests plain floor gemm kernel capacity fp8kv} "
 part() {  # part NAME SECONDS_NEEDED command...
     local name=$1 need=$2; shift 2
     [[ "$PARTS" == *" $name "* ]] || return 0
@@ -41,17 +44,19 @@ part() {  # part NAME SECONDS_NEEDED command...
 CHECKS="python3 benchmarks/gpu/fp8_checks.py $TINY_FLAG -o $OUT"
 FLOOR="python3 benchmarks/step_floor.py $TINY_FLAG --context 1024 8192"
 [[ -n "$TINY_FLAG" ]] && FLOOR="python3 benchmarks/step_floor.py --tiny"
-part gemm 30 $CHECKS gemm
-part kernel 60 $CHECKS kernel
+part wo 150 python3 benchmarks/gpu/fp8_weight_only_bench.py $TINY_FLAG -o "$OUT"
 if python3 -c "import pytest" 2>/dev/null; then
-    part tests 90 python3 -m pytest tests/test_paged_attention.py -k fp8_pool -q -p no:cacheprovider
+    part tests 90 python3 -m pytest tests/test_fp8_weight_only.py tests/test_paged_attention.py \
+        -k "fp8_pool or weight_only" -q -p no:cacheprovider
 else
     echo "skipped (no pytest: carry .device/wheels from benchmarks/device_wheels.sh): tests"
 fi
-part floor 100 $FLOOR --quantization fp8 -o "$OUT/step_floor_fp8.json"
-part floor 100 $FLOOR -o "$OUT/step_floor_bf16.json"
 part plain 50 $FLOOR --drafter none --context 1024 --quantization fp8 -o "$OUT/step_floor_plain_fp8.json"
 part plain 50 $FLOOR --drafter none --context 1024 -o "$OUT/step_floor_plain_bf16.json"
+part floor 100 $FLOOR --quantization fp8 -o "$OUT/step_floor_fp8.json"
+part floor 100 $FLOOR -o "$OUT/step_floor_bf16.json"
+part gemm 30 $CHECKS gemm
+part kernel 60 $CHECKS kernel
 part capacity 90 $CHECKS capacity
 part fp8kv 80 $FLOOR --quantization fp8 --kv-cache-dtype fp8 -o "$OUT/step_floor_fp8kv.json"
 $CHECKS summary 2>&1 | tail -20

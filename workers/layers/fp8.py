@@ -5,8 +5,13 @@ that scale repeated over its rows). Activations are quantized per token as they 
 scales), as the FP8_DYNAMIC checkpoints expect. On CUDA with FP8 tensor cores (compute
 capability 8.9: Ada, Hopper) `torch._scaled_mm` multiplies the FP8 operands with row-wise
 scales; elsewhere (CPU, older GPUs) the same FP8 activations and weights are multiplied in a
-wider dtype and scaled after, so a CPU test sees the GPU path's quantization. Every step is a
-device op (no host sync): the matmul captures in CUDA graphs."""
+wider dtype and scaled after, so a CPU test sees the GPU path's quantization.
+
+Steps of up to WEIGHT_ONLY_MAX_ROWS rows (decode, verify, draft steps) only read their weights,
+and there quantizing the activations costs a pass and buys nothing: the FP8 weights are widened
+against the activations as they are (on CUDA the Triton kernel of fp8_weight_only.py, elsewhere
+the same product in float32). Every step is a device op (no host sync): the matmul captures in
+CUDA graphs."""
 
 import functools
 import os
@@ -14,10 +19,16 @@ import os
 import torch
 import torch.nn.functional as F
 
+from workers.layers.attention_backend import num_sms
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 # a row of zeros (a padding token) gets this scale, not a division by zero
 MIN_SCALE = 1.0 / (FP8_MAX * 512)
+# rows up to which the weights are widened against unquantized activations; past it (prefill)
+# the activations are quantized per token for FP8 tensor cores. A graph bucket boundary (as
+# attention_backend.KERNEL_MAX_QUERY is), so a padded bucket takes its eager step's path
+WEIGHT_ONLY_MAX_ROWS = 256
 
 
 def to_fp8(x: torch.Tensor, scale) -> torch.Tensor:
@@ -44,6 +55,34 @@ def scaled_mm_available(device: torch.device) -> bool:
     if device.type != "cuda" or os.environ.get("EAGLESERVE_FP8_GEMM") == "0":
         return False
     return hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def uses_weight_only(rows: int, device: torch.device) -> bool:
+    """Weight-only for a step's few rows: the Triton kernel on CUDA, its float32 reference
+    elsewhere (so a CPU run takes the GPU's numerics for every step). EAGLESERVE_FP8_WEIGHT_ONLY=0
+    quantizes the activations at every size (for A/B runs)."""
+    if rows > WEIGHT_ONLY_MAX_ROWS or os.environ.get("EAGLESERVE_FP8_WEIGHT_ONLY") == "0":
+        return False
+    return device.type != "cuda" or triton_available()
+
+
+def weight_only_product(x, weight, scale, bias) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] FP8 x scale [N]).T + bias, x unquantized, in x's dtype."""
+    if x.device.type == "cuda":  # Triton: a GPU install's package, not every CPU one's
+        from workers.layers.fp8_weight_only import weight_only_product as kernel
+
+        return kernel(x, weight, scale, bias, num_sms(x.device))
+    out = F.linear(x.float(), weight.float()).mul_(scale)
+    return (out if bias is None else out.add_(bias.float())).to(x.dtype)
 
 
 def uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -75,7 +114,10 @@ def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [..., K] @ (weight [N, K] FP8 x scale [N]).T + bias, in x's dtype."""
-    x8, x_scale = quantize_per_token(x.reshape(-1, x.shape[-1]))  # [M, K], [M, 1]
+    rows = x.reshape(-1, x.shape[-1])
+    if uses_weight_only(rows.shape[0], x.device):
+        return weight_only_product(rows, weight, scale, bias).view(*x.shape[:-1], -1)
+    x8, x_scale = quantize_per_token(rows)  # [M, K], [M, 1]
     product = scaled_mm_product if uses_scaled_mm(x, weight) else widened_product
     out = product(x8, x_scale, weight, scale, x.dtype)
     if bias is not None:
