@@ -3,7 +3,8 @@ and a step's row counts, against torch._scaled_mm (activations quantized per tok
 F.linear and FP8's weight-read floor; then a sweep of block configurations at a few row counts,
 to say where block_config's choice stands against the best; and the row count up to which
 weight-only beats _scaled_mm at every shape (fp8.WEIGHT_ONLY_MAX_ROWS's measurement). Each
-configuration runs before it is timed (compile, first launch). Prints tables, writes JSON.
+configuration runs before it is timed (compile, first launch), and is timed as a CUDA graph's
+replay, as the engine's steps run. Prints tables, writes JSON.
 
     python3 benchmarks/gpu/fp8_weight_only_bench.py -o $OUT           # on a GPU (~2 minutes)
     python3 benchmarks/gpu/fp8_weight_only_bench.py --tiny -o /tmp/x  # CPU dry run (interpreter)
@@ -35,6 +36,20 @@ SWEEP = {"block_n": [32, 64, 128], "block_k": [128, 256], "split": [1, 2, 4],
          "warps": [4, 8], "stages": [3, 4]}  # fmt: skip
 
 
+def device_us(fn, device, repeats: int) -> float:
+    """Microseconds a call on the device: on CUDA `repeats` calls captured in one graph and
+    replayed (as the engine's steps run: no launch overhead), warmed first; elsewhere wall time."""
+    if device.type != "cuda":
+        return 1000 * rb.time_ms(fn, device, repeats)
+    for _ in range(3):
+        fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    return 1000 * rb.time_ms(graph.replay, device, 5) / repeats
+
+
 def operands(N, K, M, device, dtype):
     g = torch.Generator(device=device).manual_seed(N + K + M)
     x = torch.randn(M, K, device=device, generator=g).to(dtype)
@@ -48,16 +63,16 @@ def point(name, N, K, M, device, dtype, bandwidth, sms, repeats) -> dict:
     ours = weight_only_product(x, w8, scale, None, sms)
     row = {"shape": name, "N": N, "K": K, "M": M, "config": block_config(M, N, K, sms),
            "weight_only_rel_err": relative(ours, exact),
-           "weight_only_us": 1000 * rb.time_ms(
+           "weight_only_us": device_us(
                lambda: weight_only_product(x, w8, scale, None, sms), device, repeats),
-           "bf16_us": 1000 * rb.time_ms(lambda: F.linear(x, w), device, repeats),
+           "bf16_us": device_us(lambda: F.linear(x, w), device, repeats),
            "fp8_read_floor_us": 1e6 * N * K / bandwidth}  # fmt: skip
     if fp8.uses_scaled_mm(x, w8):
 
         def scaled():
             return fp8.scaled_mm_product(*fp8.quantize_per_token(x), w8, scale, dtype)
 
-        row["scaled_mm_us"] = 1000 * rb.time_ms(scaled, device, repeats)
+        row["scaled_mm_us"] = device_us(scaled, device, repeats)
     return row
 
 
@@ -75,7 +90,7 @@ def sweep(name, N, K, M, device, dtype, sms, repeats) -> dict:
         config = (block_m, bn, bk, split, warps, stages)
         run = lambda c=config: weight_only_product(x, w8, scale, None, sms, c)  # noqa: E731
         try:
-            timed[config] = 1000 * rb.time_ms(run, device, repeats)
+            timed[config] = device_us(run, device, repeats)
         except Exception as e:  # noqa: BLE001  a tile too large for shared memory
             if "out of resource" not in str(e):
                 raise
