@@ -45,9 +45,10 @@ def random_operands(M, N, K, dtype, with_bias, seed):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M, N, K", SHAPES)
 def test_kernel_matches_the_widened_reference(M, N, K, dtype):
-    for with_bias, num_sms in ((False, 132), (True, 4)):  # few SMs: K is split
+    for with_bias, num_sms, swap in ((False, 132, False), (True, 4, True)):  # few SMs: K split
         x, w8, scale, bias = random_operands(M, N, K, dtype, with_bias, seed=M * N + K)
-        out = weight_only_product(x, w8, scale, bias, num_sms)
+        config = block_config(M, N, K, num_sms)[:6] + (swap,)  # both operand orders
+        out = weight_only_product(x, w8, scale, bias, num_sms, config)
         assert out.dtype == dtype and out.shape == (M, N)
         expected = reference(x, w8, scale, bias)
         tol = 1e-5 if dtype == torch.float32 else 1e-2

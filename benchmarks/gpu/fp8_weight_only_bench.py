@@ -31,9 +31,9 @@ from workers.layers import fp8  # noqa: E402
 from workers.layers.fp8_weight_only import block_config, weight_only_product  # noqa: E402
 
 ROWS = [1, 6, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512]
-SWEEP_ROWS = [1, 8, 48, 192]
+SWEEP_ROWS = [1, 16, 32, 64, 192]
 SWEEP = {"block_n": [32, 64, 128], "block_k": [128, 256], "split": [1, 2, 4],
-         "warps": [4, 8], "stages": [3, 4]}  # fmt: skip
+         "warps": [4, 8], "stages": [3], "swap": [False, True]}  # fmt: skip
 
 
 def device_us(fn, device, repeats: int) -> float:
@@ -80,14 +80,14 @@ def sweep(name, N, K, M, device, dtype, sms, repeats) -> dict:
     """Every configuration of SWEEP, with block_config's rows a tile and all rows in one tile
     (each weight read once)."""
     x, _, w8, scale = operands(N, K, M, device, dtype)
-    tiles = {block_config(M, N, K, sms)[0], max(16, min(256, 1 << (M - 1).bit_length()))}
+    tiles = {block_config(M, N, K, sms)[0], max(16, min(256, 1 << (M - 1).bit_length())), 16}
     timed = {}
-    for block_m, (bn, bk, split, warps, stages) in itertools.product(
+    for block_m, (bn, bk, split, warps, stages, swap) in itertools.product(
         sorted(tiles), itertools.product(*SWEEP.values())
     ):
         if K // split < bk or (block_m >= 128 and (bn, bk) == (128, 256)):
             continue
-        config = (block_m, bn, bk, split, warps, stages)
+        config = (block_m, bn, bk, split, warps, stages, swap)
         run = lambda c=config: weight_only_product(x, w8, scale, None, sms, c)  # noqa: E731
         try:
             timed[config] = device_us(run, device, repeats)

@@ -20,29 +20,30 @@ import triton.language as tl
 def _fp8_weight_only_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
 ):  # fmt: skip
     pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = rm < M, rn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # SWAP: out.T = w @ x.T, the columns as the tensor cores' rows (their tiles start at 64)
+    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_start = split * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
-        x = tl.load(
-            x_ptr + rm[:, None] * stride_xm + rk[None, :],
-            mask=m_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )  # [BLOCK_M, BLOCK_K]
-        w = tl.load(
-            w_ptr + rn[None, :] * stride_wn + rk[:, None],
-            mask=n_ok[None, :] & k_ok[:, None],
-            other=0.0,
-        )  # [BLOCK_K, BLOCK_N], FP8
-        acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
+        x_at = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+        w_at = w_ptr + rn[:, None] * stride_wn + rk[None, :]
+        x = tl.load(x_at, mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        w = tl.load(w_at, mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        w = w.to(x.dtype)  # FP8 widened in registers
+        if SWAP:
+            acc += tl.dot(w, tl.trans(x), input_precision=PRECISION)
+        else:
+            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    if SWAP:
+        acc = tl.trans(acc)
     if SPLIT_K == 1:
         acc *= tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
         if HAS_BIAS:
@@ -72,8 +73,8 @@ def _sum_splits_kernel(
 
 
 def block_config(M: int, N: int, K: int, num_sms: int) -> tuple[int, ...]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for a shape: rows in one or a
-    few tiles of at most 64, columns in tiles of 64 (32 where fewer than the SMs would run), and
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, SWAP) for a shape: rows in one
+    or a few tiles of at most 64, columns in tiles of 64 (32 where fewer than the SMs would run), and
     K split until the programs fill the SMs twice over (each split still walking at least 1024
     of K)."""
     block_m = min(64, max(16, triton.next_power_of_2(M)))
@@ -82,7 +83,7 @@ def block_config(M: int, N: int, K: int, num_sms: int) -> tuple[int, ...]:
     split = 1
     while programs * split * 2 <= 2 * num_sms and K // (split * 2) >= 1024:
         split *= 2
-    return block_m, block_n, 128, split, 4, 3
+    return block_m, block_n, 128, split, 4, 3, False
 
 
 def weight_only_product(
@@ -93,7 +94,7 @@ def weight_only_product(
     x = x.contiguous()
     M, K = x.shape
     N = weight.shape[0]
-    block_m, block_n, block_k, split, warps, stages = config or block_config(M, N, K, num_sms)
+    block_m, block_n, block_k, split, warps, stages, swap = config or block_config(M, N, K, num_sms)
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     dest = out if split == 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
     has_bias = bias is not None
@@ -101,7 +102,7 @@ def weight_only_product(
     _fp8_weight_only_kernel[grid](
         x, weight, scale, bias if has_bias else scale, dest, M, N, K, x.stride(0),
         weight.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
-        HAS_BIAS=has_bias, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        HAS_BIAS=has_bias, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SWAP=swap,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if split > 1:
