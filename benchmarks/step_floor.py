@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import runner_bench as rb  # noqa: E402
+from benchmarks.kernel_profile import print_profile, profile_step  # noqa: E402
 from speculative.config import EngineConfig  # noqa: E402
 from speculative.plan import StepPlan  # noqa: E402
 from workers.cuda_graphs import GraphInput, StepGraphs, StepGraphSet  # noqa: E402
@@ -74,8 +75,9 @@ def point_graphs(runner, batch: int, context: int) -> StepGraphSet:
 
 
 @torch.inference_mode()
-def measure_point(runner, batch: int, context: int, repeats: int) -> dict:
-    """Verify pass alone, draft steps 2..K alone, and the whole step (execute), in ms."""
+def measure_point(runner, batch: int, context: int, repeats: int, profile: bool) -> dict:
+    """Verify pass alone, draft steps 2..K alone, and the whole step (execute), in ms; with
+    `profile`, the verify pass kernel by kernel (benchmarks/kernel_profile.py)."""
     rb.place_rows(runner, batch, context)
     slots = rb.prefill(runner, batch, 16, runner.target_cfg.vocab_size)
     runner.graphs = capture_point(runner, batch, context)
@@ -86,6 +88,9 @@ def measure_point(runner, batch: int, context: int, repeats: int) -> dict:
     row = {"batch": batch, "context": context}
     rb.rewind(runner, batch, start)
     row["verify_ms"] = rb.time_ms(lambda: verify(index, kv_len=context), runner.device, repeats)
+    if profile:
+        rb.rewind(runner, batch, start)
+        row["profile"] = profile_step(lambda: verify(index, kv_len=context), runner.device)
     positions, row["draft_steps_2_to_k_ms"] = torch.full_like(index, start), 0.0
     if chain is not None:  # K > 1
         row["draft_steps_2_to_k_ms"] = rb.time_ms(
@@ -188,6 +193,7 @@ def parse_args():
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", choices=["fp8"], default=None, help="the target's weights")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    p.add_argument("--profile", action="store_true", help="the verify pass kernel by kernel")
     p.add_argument("--tiny", action="store_true", help="CPU dry run: a tiny model, small sizes")
     default_out = Path(os.environ.get("OUT", ".")) / "step_floor.json"
     p.add_argument("-o", "--output", type=Path, default=default_out)
@@ -227,9 +233,12 @@ def main() -> None:
            "floors": floors(runner, bandwidth), "memory_gib": memory_gib(runner),
            "skipped": skipped, "rows": []}  # fmt: skip
     for batch, context, _ in rb.progress(fits, "points", "point"):
-        row = measure_point(runner, batch, context, args.repeats)
+        row = measure_point(runner, batch, context, args.repeats, args.profile)
         rb.free_memory()  # this point's graphs
         row["verify_over_floor"] = row["verify_ms"] / out["floors"]["verify_floor_ms"]
+        if args.profile:
+            title = f"verify pass, batch {batch}, context {context}"
+            print_profile(title, row["profile"], 1000 * out["floors"]["verify_floor_ms"])
         row["step_over_floor"] = row["step_ms"] / out["floors"]["step_floor_ms"]
         out["rows"].append(row)
         out["goal"], out["peak_memory_gib"] = goal_line(out["rows"]), rb.peak_memory_gib(device)
