@@ -6,6 +6,8 @@
 # PARTS="..." picks some. JSON under $OUT, a table of each part on stdout.
 #   wo        the weight-only FP8 kernel against _scaled_mm, bf16 and the floor at 8B's shapes and
 #             M = 1..512, a sweep of its block configurations (fp8_weight_only_bench.py)
+#   profile   step_floor.py --profile without a drafter at 1k, bf16 and FP8: the decode step kernel
+#             by kernel, grouped by kind, and the gaps between kernels
 #   gemm      torch._scaled_mm against the fallback at Llama-3.1-8B's shapes; a CUDA graph replay
 #   kernel    the compiled paged kernel over an FP8 pool against the gather path; its time
 #   tests     tests/test_paged_attention.py's FP8 cases and tests/test_fp8_weight_only.py compiled
@@ -32,7 +34,7 @@ else
 fi
 export PYTHONUNBUFFERED=1
 END=$((SECONDS + ${BUDGET:-450}))
-PARTS=" ${PARTS:-wo tests plain floor gemm kernel capacity fp8kv} "
+PARTS=" ${PARTS:-wo tests plain profile floor gemm kernel capacity fp8kv} "
 part() {  # part NAME SECONDS_NEEDED command...
     local name=$1 need=$2; shift 2
     [[ "$PARTS" == *" $name "* ]] || return 0
@@ -53,6 +55,9 @@ else
 fi
 part plain 50 $FLOOR --drafter none --context 1024 --quantization fp8 -o "$OUT/step_floor_plain_fp8.json"
 part plain 50 $FLOOR --drafter none --context 1024 -o "$OUT/step_floor_plain_bf16.json"
+part profile 60 $FLOOR --drafter none --context 1024 --profile -o "$OUT/step_profile_bf16.json"
+part profile 60 $FLOOR --drafter none --context 1024 --profile --quantization fp8 \
+    -o "$OUT/step_profile_fp8.json"
 part floor 100 $FLOOR --quantization fp8 -o "$OUT/step_floor_fp8.json"
 part floor 100 $FLOOR -o "$OUT/step_floor_bf16.json"
 part gemm 30 $CHECKS gemm
