@@ -55,10 +55,19 @@ def test_kernel_matches_the_widened_reference(M, N, K, dtype):
         torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol * expected.abs().max())
 
 
-def test_blocks_fill_the_sms_and_split_k_only_where_they_do_not():
-    assert block_config(1, 28672, 4096, 132)[:4] == (16, 64, 128, 1)  # gate_up: columns enough
-    assert block_config(1, 4096, 4096, 132)[:4] == (16, 32, 128, 2)  # o: 128 programs, then 256
-    assert block_config(192, 4096, 14336, 132)[:4] == (64, 64, 128, 1)  # 3 row tiles x 64 columns
+def test_blocks_are_the_measured_best_at_8bs_shapes():
+    """block_config against the H100 sweep's best (benchmarks/results/2026-12-07-h100/)."""
+    best = {  # (M, N, K) -> the sweep's fastest configuration
+        (1, 6144, 4096): (16, 64, 128, 4, 8, 3, False),  # qkv
+        (8, 4096, 4096): (16, 64, 128, 4, 8, 3, False),  # o
+        (1, 28672, 4096): (16, 32, 128, 1, 4, 3, False),  # gate_up: columns fill the SMs
+        (8, 4096, 14336): (16, 64, 256, 4, 8, 4, False),  # down
+        (48, 6144, 4096): (64, 128, 128, 4, 4, 3, False),
+        (48, 4096, 4096): (64, 64, 128, 4, 4, 3, False),
+        (48, 28672, 4096): (64, 128, 128, 1, 4, 3, False),
+    }  # fmt: skip
+    for (M, N, K), config in best.items():
+        assert block_config(M, N, K, 132)[:5] == config[:5], (M, N, K)
     split = block_config(1, 512, 14336, 132)[3]
     assert split > 1 and 14336 // split >= 1024
 

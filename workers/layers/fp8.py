@@ -25,10 +25,11 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 # a row of zeros (a padding token) gets this scale, not a division by zero
 MIN_SCALE = 1.0 / (FP8_MAX * 512)
-# rows up to which the weights are widened against unquantized activations; past it (prefill)
-# the activations are quantized per token for FP8 tensor cores. A graph bucket boundary (as
-# attention_backend.KERNEL_MAX_QUERY is), so a padded bucket takes its eager step's path
-WEIGHT_ONLY_MAX_ROWS = 256
+# rows up to which the weights are widened against unquantized activations; past it the
+# activations are quantized per token for FP8 tensor cores. On an H100 the weight-only kernel was
+# at least as fast as _scaled_mm at every 8B shape up to 64 rows, and lost at gate_up past it
+# (benchmarks/results/2026-12-07-h100/fp8_weight_only.json)
+WEIGHT_ONLY_MAX_ROWS = 64
 
 
 def to_fp8(x: torch.Tensor, scale) -> torch.Tensor:

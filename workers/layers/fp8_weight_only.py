@@ -73,17 +73,24 @@ def _sum_splits_kernel(
 
 
 def block_config(M: int, N: int, K: int, num_sms: int) -> tuple[int, ...]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, SWAP) for a shape: rows in one
-    or a few tiles of at most 64, columns in tiles of 64 (32 where fewer than the SMs would run), and
-    K split until the programs fill the SMs twice over (each split still walking at least 1024
-    of K)."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, SWAP) for a shape, fitted to
+    the sweep of benchmarks/gpu/fp8_weight_only_bench.py on an H100 (benchmarks/results/
+    2026-12-07-h100/fp8_weight_only.json: within 10% of the best configuration at 8B's shapes,
+    M = 1..64): rows in one tile; for one to 16 rows narrow column tiles and 8 warps, wider ones
+    past that; K split (while each split walks at least 1024 of K) until the programs would
+    pass three per SM."""
     block_m = min(64, max(16, triton.next_power_of_2(M)))
-    block_n = 64 if triton.cdiv(N, 64) * triton.cdiv(M, block_m) >= num_sms else 32
+    if block_m == 16:
+        block_n = 32 if triton.cdiv(N, 64) >= 2 * num_sms else 64
+    else:
+        block_n = 128 if 3 * triton.cdiv(N, 128) >= num_sms else 64
     programs = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     split = 1
-    while programs * split * 2 <= 2 * num_sms and K // (split * 2) >= 1024:
+    while split < 4 and programs * split * 2 <= 3 * num_sms and K // (split * 2) >= 1024:
         split *= 2
-    return block_m, block_n, 128, split, 4, 3, False
+    block_k = 256 if block_m == 16 and K >= 8192 else 128
+    warps = 8 if block_m == 16 and block_n == 64 else 4
+    return block_m, block_n, block_k, split, warps, 3, False
 
 
 def weight_only_product(
