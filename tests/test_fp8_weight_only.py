@@ -79,19 +79,19 @@ def test_split_k_sums_in_a_fixed_order():
     assert block_config(3, 64, 4096, 2)[3] > 1 and torch.equal(runs[0], runs[1])
 
 
-def test_fp8_linear_is_weight_only_for_a_steps_rows(monkeypatch):
-    """Up to WEIGHT_ONLY_MAX_ROWS rows the activations are not quantized (the product equals
-    the widened reference); past it, and with EAGLESERVE_FP8_WEIGHT_ONLY=0, they are (each
-    token rounded to E4M3 at its own scale)."""
-    rows = fp8.WEIGHT_ONLY_MAX_ROWS
-    x, w8, scale, bias = random_operands(rows + 1, 48, 64, torch.float32, True, seed=3)
-    x = x.cpu()
-    w8, scale, bias = w8.cpu(), scale.cpu(), bias.cpu()
+def test_fp8_linear_is_weight_only_outside_prefill(monkeypatch):
+    """A step's rows are not quantized, however many (the product equals the widened
+    reference); a prefill forward's are, and every forward's with EAGLESERVE_FP8_WEIGHT_ONLY=0
+    (each token rounded to E4M3 at its own scale)."""
+    x, w8, scale, bias = random_operands(300, 48, 64, torch.float32, True, seed=3)
+    x, w8, scale, bias = x.cpu(), w8.cpu(), scale.cpu(), bias.cpu()
     exact = reference(x, w8, scale, bias)
-    step = fp8.fp8_linear(x[:rows], w8, scale, bias)
-    torch.testing.assert_close(step, exact[:rows], rtol=1e-5, atol=1e-5)
-    prefill = fp8.fp8_linear(x, w8, scale, bias)
+    for rows in (1, 300):
+        torch.testing.assert_close(fp8.fp8_linear(x[:rows], w8, scale, bias), exact[:rows])
+    with fp8.prefill_forward():
+        prefill = fp8.fp8_linear(x, w8, scale, bias)
     assert not torch.allclose(prefill, exact, rtol=1e-4, atol=1e-4)  # rounded activations
     torch.testing.assert_close(prefill, exact, rtol=0.1, atol=0.1 * exact.abs().max())
+    torch.testing.assert_close(fp8.fp8_linear(x, w8, scale, bias), exact)  # prefill is over
     monkeypatch.setenv("EAGLESERVE_FP8_WEIGHT_ONLY", "0")
-    torch.testing.assert_close(fp8.fp8_linear(x[:rows], w8, scale, bias), prefill[:rows])
+    torch.testing.assert_close(fp8.fp8_linear(x, w8, scale, bias), prefill)

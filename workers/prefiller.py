@@ -12,7 +12,7 @@ from speculative.resource_manager import Eagle3ResourceManager
 from speculative.sampling import process_logits, prompt_logprobs, sample_one, token_logprobs
 from speculative.slot_state import SlotState
 from workers.cuda_graphs import StepGraphs
-from workers.layers import attention_backend
+from workers.layers import attention_backend, fp8
 from workers.layers.kv_cache import KVCache
 
 # a prefill after a cached prefix replays the graph of prefix + chunk where that is at most this
@@ -73,7 +73,8 @@ class Prefiller:
         positions = columns + starts.unsqueeze(1)
         batch = self.kv.batch(slots, positions, columns < lens.unsqueeze(1), kv_len)
         features = self.resources.feature_view(B, T)
-        hidden, _ = self.target(ids, batch, features)
+        with fp8.prefill_forward():
+            hidden, _ = self.target(ids, batch, features)
         return hidden, batch, features
 
     def greedy(self, slots, lens, starts, ids, kv_len: int) -> tuple:

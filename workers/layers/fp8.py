@@ -7,12 +7,16 @@ capability 8.9: Ada, Hopper) `torch._scaled_mm` multiplies the FP8 operands with
 scales; elsewhere (CPU, older GPUs) the same FP8 activations and weights are multiplied in a
 wider dtype and scaled after, so a CPU test sees the GPU path's quantization.
 
-Steps of up to WEIGHT_ONLY_MAX_ROWS rows (decode, verify, draft steps) only read their weights,
-and there quantizing the activations costs a pass and buys nothing: the FP8 weights are widened
-against the activations as they are (on CUDA the Triton kernel of fp8_weight_only.py, elsewhere
-the same product in float32). Every step is a device op (no host sync): the matmul captures in
-CUDA graphs."""
+A decode, verify or draft step's few rows only read their weights, and there quantizing the
+activations costs launches and buys nothing: outside prefill (`prefill_forward()`), the FP8
+weights are widened against the activations as they are (on CUDA the Triton kernel of
+fp8_weight_only.py, elsewhere the same product in float32). The path follows the kind of forward,
+never its number of rows: a token gets the same numerics whichever batch it shares, so
+speculative greedy output stays plain greedy's (a verify pass of B x (K+1) rows and plain
+decoding's B rows take one path). Every step is a device op (no host sync): the matmul captures
+in CUDA graphs."""
 
+import contextlib
 import functools
 import os
 
@@ -25,11 +29,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 # a row of zeros (a padding token) gets this scale, not a division by zero
 MIN_SCALE = 1.0 / (FP8_MAX * 512)
-# rows up to which the weights are widened against unquantized activations; past it the
-# activations are quantized per token for FP8 tensor cores. On an H100 the weight-only kernel was
-# at least as fast as _scaled_mm at every 8B shape up to 64 rows, and lost at gate_up past it
-# (benchmarks/results/2026-12-07-h100/fp8_weight_only.json)
-WEIGHT_ONLY_MAX_ROWS = 64
+_in_prefill = False  # set around the target's prefill forward (workers/prefiller.py)
 
 
 def to_fp8(x: torch.Tensor, scale) -> torch.Tensor:
@@ -67,11 +67,23 @@ def triton_available() -> bool:
     return True
 
 
-def uses_weight_only(rows: int, device: torch.device) -> bool:
-    """Weight-only for a step's few rows: the Triton kernel on CUDA, its float32 reference
-    elsewhere (so a CPU run takes the GPU's numerics for every step). EAGLESERVE_FP8_WEIGHT_ONLY=0
-    quantizes the activations at every size (for A/B runs)."""
-    if rows > WEIGHT_ONLY_MAX_ROWS or os.environ.get("EAGLESERVE_FP8_WEIGHT_ONLY") == "0":
+@contextlib.contextmanager
+def prefill_forward():
+    """Within it, FP8 layers quantize their activations per token (FP8 tensor cores, for the
+    compute-bound GEMMs of prompts)."""
+    global _in_prefill
+    _in_prefill = True
+    try:
+        yield
+    finally:
+        _in_prefill = False
+
+
+def uses_weight_only(device: torch.device) -> bool:
+    """Weight-only outside prefill: the Triton kernel on CUDA, its float32 reference elsewhere (so
+    a CPU run takes the GPU's numerics for every step). EAGLESERVE_FP8_WEIGHT_ONLY=0 quantizes the
+    activations in every forward (for A/B runs)."""
+    if _in_prefill or os.environ.get("EAGLESERVE_FP8_WEIGHT_ONLY") == "0":
         return False
     return device.type != "cuda" or triton_available()
 
@@ -116,7 +128,7 @@ def fp8_linear(
 ) -> torch.Tensor:
     """x [..., K] @ (weight [N, K] FP8 x scale [N]).T + bias, in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
-    if uses_weight_only(rows.shape[0], x.device):
+    if uses_weight_only(x.device):
         return weight_only_product(rows, weight, scale, bias).view(*x.shape[:-1], -1)
     x8, x_scale = quantize_per_token(rows)  # [M, K], [M, 1]
     product = scaled_mm_product if uses_scaled_mm(x, weight) else widened_product

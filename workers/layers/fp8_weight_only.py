@@ -8,8 +8,8 @@ are: no per-token quantization pass, and no FP8 rounding of them. Where the colu
 the SMs idle (N = 4096 at batch 1), K is split over programs whose float32 partial sums are
 added by a second pass, in a fixed order (no atomics: the same inputs give the same bits).
 
-`torch._scaled_mm` (FP8 tensor cores, activations quantized per token) stays the path for prefill
-rows, where the GEMM is compute-bound: workers/layers/fp8.py picks by the number of rows."""
+`torch._scaled_mm` (FP8 tensor cores, activations quantized per token) stays the path for
+prefill, where the GEMM is compute-bound: workers/layers/fp8.py picks by the kind of forward."""
 
 import torch
 import triton
@@ -75,9 +75,9 @@ def _sum_splits_kernel(
 def block_config(M: int, N: int, K: int, num_sms: int) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, SWAP) for a shape, fitted to
     the sweep of benchmarks/gpu/fp8_weight_only_bench.py on an H100 (benchmarks/results/
-    2026-12-07-h100/fp8_weight_only.json: within 10% of the best configuration at 8B's shapes,
-    M = 1..64): rows in one tile; for one to 16 rows narrow column tiles and 8 warps, wider ones
-    past that; K split (while each split walks at least 1024 of K) until the programs would
+    2026-12-07-h100/fp8_weight_only.json: its fastest block sizes at 8B's shapes for M = 1, 8
+    and 48): rows in tiles of up to 64; for one to 16 rows narrow column tiles and 8 warps, wider
+    ones past that; K split (while each split walks at least 1024 of K) until the programs would
     pass three per SM."""
     block_m = min(64, max(16, triton.next_power_of_2(M)))
     if block_m == 16:
