@@ -158,6 +158,7 @@ def cmd_train_drafter(args) -> None:
                 "model": args.model,
                 "output": args.output,
                 "data": args.data,
+                "corpora": args.corpora,
                 "max_steps": args.max_steps,
                 "draft_vocab_size": args.draft_vocab_size,
                 "ttt_steps": args.ttt_steps,
@@ -166,6 +167,10 @@ def cmd_train_drafter(args) -> None:
                 "checkpoint_every": args.checkpoint_every,
                 "eval_prompt_files": args.eval_prompts,
                 "time_limit_s": args.time_limit,
+                "max_steps_this_run": args.steps_this_run,
+                "handover": args.handover,
+                "handover_dtype": args.handover_dtype,
+                "handover_optimizer": args.handover_optimizer,
                 "init_from": args.init_from,
                 "device": args.device,
             }.items()

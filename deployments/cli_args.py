@@ -31,6 +31,17 @@ def _generate_parser(sub) -> None:
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
 
 
+def corpus_arg(text: str) -> dict:
+    """DIR or DIR=WEIGHT -> a TrainConfig.corpora entry."""
+    path, _, weight = text.partition("=")
+    try:
+        return {"data": path, "weight": float(weight) if weight else 1.0}
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the weight after '=' must be a number"
+        ) from None
+
+
 def _train_parser(sub) -> None:
     train = sub.add_parser(
         "train-drafter",
@@ -60,6 +71,15 @@ def _train_parser(sub) -> None:
         help="no dataset: the target writes N conversations itself, user turns too, "
         "then trains on them (a rerun continues the corpus)",
     )
+    opt(
+        "--corpus",
+        nargs="+",
+        type=corpus_arg,
+        dest="corpora",
+        metavar="DIR[=WEIGHT]",
+        help="train on these data directories together, each epoch drawing WEIGHT times each "
+        "one's sequences (default 1; 0.5: a random half)",
+    )
     opt("--synthesize-time-limit", type=float, help="seconds of synthesis; then stop (resumable)")
     opt("--kinds", nargs="+", help="kinds of request to synthesize (default: all)")
     opt("--eval-prompts", nargs="+", help="JSONL(.gz) prompts of the acceptance printed at the end")
@@ -77,6 +97,18 @@ def _train_parser(sub) -> None:
         "for the tokens the new draft vocabulary holds)",
     )
     opt("--time-limit", type=float, help="seconds of training; then checkpoint and stop")
+    opt("--steps-this-run", type=int, help="training steps of this run (a slice); then stop")
+    opt(
+        "--handover",
+        help="directory a slice continues from (when there is no checkpoint) and writes its "
+        "checkpoint to, in files under the export shard size",
+    )
+    opt("--handover-dtype", choices=["float32", "bfloat16"], help="of the hand-over's weights")
+    opt(
+        "--handover-optimizer",
+        action=argparse.BooleanOptionalAction,
+        help="AdamW's moments in the hand-over too (continues exactly; twice the weights' bytes)",
+    )
     opt("--distill-time-limit", type=float, help="seconds of self-distillation (admitting prompts)")
     opt(
         "--distill-skip",

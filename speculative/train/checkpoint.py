@@ -64,11 +64,13 @@ def save_checkpoint(
 def load_checkpoint(
     ckpt: Path, target: DecoderModel
 ) -> tuple[Eagle3Drafter, dict[str, torch.Tensor]]:
-    """The checkpoint's drafter and optimizer tensors."""
+    """The checkpoint's drafter and optimizer tensors (none from an optimizer-free hand-over: the
+    moments start afresh)."""
+    moments = ckpt / "optimizer" / "optimizer.safetensors"
     try:
         return (
             load_drafter(ckpt, target_embeddings=target.embed_tokens),
-            load_file(str(ckpt / "optimizer" / "optimizer.safetensors")),
+            load_file(str(moments)) if moments.is_file() else {},
         )
     except (OSError, KeyError, RuntimeError, ValueError, SafetensorError) as e:
         raise _unreadable(ckpt, e) from e

@@ -49,12 +49,25 @@ class DistillConfig(BaseModel):
         return self
 
 
+class Corpus(BaseModel):
+    """A data directory (part-*.safetensors, as distillation or synthesis writes them) and the
+    sequences an epoch draws from it, relative to its size (speculative/train/mix.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    data: str
+    weight: float = Field(1.0, gt=0.0, le=100.0)
+
+
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = "smollm2-135m"
     output: str  # exported drafter directory
     data: str | None = None  # directory of self-distilled parts; default: OUTPUT.data
+    # train on these corpora together instead of `data` alone (which is then only distillation's
+    # or synthesis's output)
+    corpora: list[Corpus] = Field(default_factory=list)
     checkpoint: str | None = None  # periodic checkpoints; default: OUTPUT.ckpt
     # train further from this drafter instead of a fresh one: its weights, and its head rows for the
     # tokens that the new draft vocabulary (picked from the data) also holds
@@ -84,6 +97,13 @@ class TrainConfig(BaseModel):
     max_seq_len: int = Field(1536, ge=8, le=4096)
     checkpoint_every: int = Field(200, ge=1)
     time_limit_s: float | None = Field(None, gt=0)  # checkpoint and stop after this (resume later)
+    max_steps_this_run: int | None = Field(None, ge=1)  # a slice: checkpoint and stop after these
+    # a directory the run continues from when the checkpoint directory has none, and writes its
+    # checkpoint to at the end, in files under export_shard_mb (default 15): what travels between
+    # slices on machines whose returned files are capped (speculative/train/handover.py)
+    handover: str | None = None
+    handover_dtype: Literal["float32", "bfloat16"] = "float32"
+    handover_optimizer: bool = True  # AdamW's moments too (twice the weights' float32 bytes)
     fit_steps_to_time: bool = False  # shrink max_steps so the LR schedule ends in time
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # of the frozen target and autocast

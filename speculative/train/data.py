@@ -159,22 +159,22 @@ def padded_len(n, multiple: int = PAD_MULTIPLE):
 
 
 def batches(
-    store: TokenStore, batch_tokens: int, max_seq_len: int, seed: int, epoch: int
+    store: TokenStore, batch_tokens: int, max_seq_len: int, seed: int, epoch: int, mix=None
 ) -> list[list[int]]:
     """Length-bucketed batches of sequence indices, each at most `batch_tokens` padded tokens (rows
     padded as `collate` pads them), in a shuffled order that depends only on (seed, epoch), so a
-    resumed run sees the same batches."""
+    resumed run sees the same batches. With a `Mix`, the epoch's draw of its corpora."""
     rng = np.random.default_rng([seed, epoch])
-    lengths = np.minimum(store.lengths, max_seq_len)
+    pool = np.arange(len(store)) if mix is None else mix.draw(seed, epoch)
+    lengths = np.minimum(store.lengths[pool], max_seq_len)
     order = np.argsort(lengths + rng.random(len(lengths)), kind="stable")  # ties shuffled
     lengths = padded_len(lengths)
     out, current = [], []
-    for i in order:
-        longest = max(lengths[current[0]] if current else 0, lengths[i])
-        if current and longest * (len(current) + 1) > batch_tokens:
+    for j in order:  # ascending lengths: the newest row is the batch's longest
+        if current and lengths[j] * (len(current) + 1) > batch_tokens:
             out.append(current)
             current = []
-        current.append(int(i))
+        current.append(int(pool[j]))
     if current:
         out.append(current)
     rng.shuffle(out)

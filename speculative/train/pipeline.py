@@ -79,7 +79,7 @@ def train_drafter(cfg: TrainConfig, distill_only: bool = False) -> dict:
     `cfg.synthesize`, the target writes the data itself instead (`train_on_synthesized`)."""
     if cfg.synthesize is not None:
         return train_on_synthesized(cfg, data_only=distill_only)
-    if distill_only or not data_parts(cfg.data_dir):
+    if distill_only or not (cfg.corpora or data_parts(cfg.data_dir)):
         if not distill_only:
             check_config(cfg)  # its errors now, not after minutes of distilling
         store = distill(cfg)

@@ -24,8 +24,10 @@ from speculative.train.checkpoint import (
     save_checkpoint,
 )
 from speculative.train.config import TrainConfig
-from speculative.train.data import TokenStore, batches, collate, load_data
+from speculative.train.data import TokenStore, batches, collate
 from speculative.train.drafter_init import init_drafter, load_source, load_target
+from speculative.train.handover import restore_handover, write_handover
+from speculative.train.mix import Mix, load_corpora
 from speculative.train.target import target_draft_probs, target_features
 from speculative.train.ttt import loss_rows, ttt_forward, ttt_loss
 from workers.device import pick_device, pick_dtype
@@ -86,11 +88,11 @@ def train_step(
         )
 
 
-def batch_stream(cfg: TrainConfig, store: TokenStore, skip: int):
+def batch_stream(cfg: TrainConfig, store: TokenStore, skip: int, mix: Mix | None = None):
     """(epoch, sequence indices) forever, the same order on every run, the first `skip` dropped."""
     epoch, seen = 0, 0
     while True:
-        for indices in batches(store, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, epoch):
+        for indices in batches(store, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, epoch, mix):
             if seen >= skip:
                 yield epoch, indices
             seen += 1
@@ -99,9 +101,15 @@ def batch_stream(cfg: TrainConfig, store: TokenStore, skip: int):
 
 def _setup(cfg: TrainConfig, device, dtype):
     check_config(cfg)
-    store = load_data(cfg.data_dir)
+    store, mix = load_corpora(cfg)
+    if mix is not None:
+        log.info("training on a mix: %s", mix.describe())
     ckpt = cfg.checkpoint_dir
     state = checkpoint_state(ckpt)
+    handover = Path(cfg.handover) if cfg.handover else None
+    if not state and handover and (handover / "trainer_state.json").is_file():
+        state = restore_handover(handover, ckpt)
+        log.info("continuing the hand-over in %s at step %d", handover, state["step"])
     # the target captures the aux layers of the drafter it trains (those inference captures for it)
     drafter_dir = ckpt if state else cfg.init_from
     aux = (
@@ -128,6 +136,7 @@ def _setup(cfg: TrainConfig, device, dtype):
             )
     return (
         store,
+        mix,
         target,
         drafter,
         optimizer,
@@ -142,20 +151,20 @@ def train(cfg: TrainConfig) -> dict:
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     torch.manual_seed(cfg.seed)
-    store, target, drafter, optimizer, params, ckpt, state = _setup(cfg, device, dtype)
+    store, mix, target, drafter, optimizer, params, ckpt, state = _setup(cfg, device, dtype)
     step, metrics = state["step"], state.get("metrics", {})
     # a fitted schedule is kept on resume; otherwise the config decides (and may extend a run)
     schedule = (
         cfg.model_copy(update={"max_steps": state["max_steps"]}) if cfg.fit_steps_to_time else cfg
     )
     if cfg.num_epochs is not None:  # every epoch has as many batches: their order differs only
-        num_batches = len(batches(store, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, 0))
+        num_batches = len(batches(store, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, 0, mix))
         epoch_steps = max(1, math.ceil(cfg.num_epochs * num_batches))
         schedule = schedule.model_copy(update={"max_steps": min(schedule.max_steps, epoch_steps)})
     draft_to_target = (
         torch.arange(drafter.cfg.draft_vocab_size, device=device) + drafter.d2t
     ).long()
-    stream = batch_stream(cfg, store, step)
+    stream = batch_stream(cfg, store, step, mix)
     start, first_step, mark_s = time.perf_counter(), step, 0.0
     bar = tqdm(total=schedule.max_steps, initial=step, desc="training drafter", unit="step")
     while step < schedule.max_steps:
@@ -201,10 +210,12 @@ def train(cfg: TrainConfig) -> dict:
             bar.set_postfix(
                 loss=metrics["loss"], acc0=metrics["accuracy"][0], acc_last=metrics["accuracy"][-1]
             )
-        out_of_time = cfg.time_limit_s is not None and elapsed > cfg.time_limit_s
-        if step % cfg.checkpoint_every == 0 or step == schedule.max_steps or out_of_time:
+        stop = (cfg.time_limit_s is not None and elapsed > cfg.time_limit_s) or (
+            cfg.max_steps_this_run is not None and step - first_step >= cfg.max_steps_this_run
+        )
+        if step % cfg.checkpoint_every == 0 or step == schedule.max_steps or stop:
             save_checkpoint(ckpt, drafter, optimizer, step, metrics, schedule.max_steps)
-        if out_of_time:
+        if stop:
             break
     bar.close()
     return export(cfg, drafter, step, schedule.max_steps, metrics, time.perf_counter() - start)
@@ -218,6 +229,10 @@ def export(
     metrics: dict,
     train_s: float,
 ) -> dict:
+    if cfg.handover:
+        weights = torch.bfloat16 if cfg.handover_dtype == "bfloat16" else torch.float32
+        out, cap_mb = Path(cfg.handover), cfg.export_shard_mb or 15.0
+        write_handover(cfg.checkpoint_dir, out, weights, cfg.handover_optimizer, cap_mb)
     out = Path(cfg.output)
     state, dtype = (
         drafter_state_dict(drafter),
