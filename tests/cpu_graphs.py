@@ -27,9 +27,9 @@ class SharedPool:
     """The outputs of every graph captured into one pool, in capture order."""
 
     def __init__(self):
-        self.outputs: list[tuple[torch.Tensor, ...]] = []
+        self.outputs: list[list[torch.Tensor]] = []
 
-    def add(self, outputs: tuple) -> int:
+    def add(self, outputs: list) -> int:
         self.outputs.append(outputs)
         return len(self.outputs) - 1
 
@@ -40,16 +40,21 @@ class SharedPool:
 
 
 class EagerReplay:
-    """Replaying runs the function again on the static inputs and copies its results into the
-    static outputs; then, as the real pool would, clobbers the outputs of later captures."""
+    """Replaying runs the function on the static inputs and copies its results into the static
+    outputs, made at the first replay (so capturing runs nothing: a graph never replayed has no
+    outputs to read); then, as the real pool would, clobbers the outputs of later captures."""
 
-    def __init__(self, fn, inputs, outputs, length: int, pool: SharedPool):
-        self.fn, self.inputs, self.outputs, self.length = fn, inputs, outputs, length
-        self.pool, self.index = pool, pool.add(outputs)
+    def __init__(self, fn, inputs, length: int, pool: SharedPool):
+        self.fn, self.inputs, self.outputs, self.length = fn, inputs, [], length
+        self.pool, self.index = pool, pool.add(self.outputs)
 
     def replay(self) -> None:
-        for static, new in zip(self.outputs, self.fn(*self.inputs, kv_len=self.length)):
-            static.copy_(new)
+        results = self.fn(*self.inputs, kv_len=self.length)
+        if not self.outputs:  # cloned: an output may be a view (expanded) that copy_ cannot fill
+            self.outputs.extend(r.clone() for r in results)
+        else:
+            for static, new in zip(self.outputs, results):
+                static.copy_(new)
         self.pool.replayed(self.index)
 
 
@@ -66,10 +71,8 @@ class CpuStepGraphs(StepGraphs):
         if self.pool is None:
             self.pool = SharedPool()
         inputs = self.static_inputs(batch, length)
-        # cloned: an output may be a view (expanded) that copy_ cannot write into
-        outputs = tuple(o.clone() for o in self.fn(*inputs, kv_len=length))
-        replay = EagerReplay(self.fn, inputs, outputs, length, self.pool)
-        self.graphs[(batch, length)] = (inputs, outputs, replay)
+        replay = EagerReplay(self.fn, inputs, length, self.pool)
+        self.graphs[(batch, length)] = (inputs, replay.outputs, replay)
         self.captures += 1
 
     def __call__(self, slots, *values, kv_len: int) -> tuple:
