@@ -778,11 +778,11 @@ def test_training_target_captures_the_drafters_aux_layers(trained, tmp_path):
         batch_tokens=128,
         device="cpu",
     )
-    _, target, trained_drafter, *_ = trainer._setup(cfg, torch.device("cpu"), torch.float32)
+    _, _, target, trained_drafter, *_ = trainer._setup(cfg, torch.device("cpu"), torch.float32)
     assert target.aux_layer_ids == trained_drafter.cfg.aux_layer_ids == (0, 1, 3)
     train_drafter(cfg)
     resumed = cfg.model_copy(update={"init_from": None, "max_steps": 2})
-    _, target, trained_drafter, *_ = trainer._setup(resumed, torch.device("cpu"), torch.float32)
+    _, _, target, trained_drafter, *_ = trainer._setup(resumed, torch.device("cpu"), torch.float32)
     assert target.aux_layer_ids == trained_drafter.cfg.aux_layer_ids == (0, 1, 3)
     with pytest.raises(ValueError, match="aux layers"):  # a target built with other layers
         init_drafter(
