@@ -95,3 +95,16 @@ def test_fp8_linear_is_weight_only_outside_prefill(monkeypatch):
     torch.testing.assert_close(fp8.fp8_linear(x, w8, scale, bias), exact)  # prefill is over
     monkeypatch.setenv("EAGLESERVE_FP8_WEIGHT_ONLY", "0")
     torch.testing.assert_close(fp8.fp8_linear(x, w8, scale, bias), prefill)
+
+
+def test_cuda_takes_the_kernel_where_triton_widens_e4m3(monkeypatch):
+    """On CUDA the weight-only kernel runs from compute capability 8.9 (Ada, Hopper); older GPUs
+    quantize the activations in every forward instead (never a mix of the two)."""
+    cuda = torch.device("cuda")
+    for capability, weight_only in (((8, 0), False), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, c=capability: c)
+        fp8.weight_only_kernel_available.cache_clear()
+        assert fp8.uses_weight_only(cuda) == weight_only
+        with fp8.prefill_forward():
+            assert not fp8.uses_weight_only(cuda)
+    fp8.weight_only_kernel_available.cache_clear()

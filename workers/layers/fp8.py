@@ -59,12 +59,13 @@ def scaled_mm_available(device: torch.device) -> bool:
 
 
 @functools.cache
-def triton_available() -> bool:
+def weight_only_kernel_available(device: torch.device) -> bool:
+    """Triton, and a GPU whose Triton widens E4M3 (compute capability 8.9: Ada, Hopper)."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
-    return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 @contextlib.contextmanager
@@ -85,7 +86,7 @@ def uses_weight_only(device: torch.device) -> bool:
     activations in every forward (for A/B runs)."""
     if _in_prefill or os.environ.get("EAGLESERVE_FP8_WEIGHT_ONLY") == "0":
         return False
-    return device.type != "cuda" or triton_available()
+    return device.type != "cuda" or weight_only_kernel_available(device)
 
 
 def weight_only_product(x, weight, scale, bias) -> torch.Tensor:
