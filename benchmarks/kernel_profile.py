@@ -27,9 +27,9 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def profile_step(fn, device: torch.device, repeats: int = 10) -> dict:
-    """fn() runs one step (warmed by the caller). -> {"wall_us", "kernel_us", "gap_us", kernels,
-    kinds}: per step, averaged over `repeats`."""
+def profiled_run(fn, device: torch.device, repeats: int):
+    """torch.profiler (CPU, and CUDA where it runs) around `repeats` calls of fn, synchronized
+    at both ends. -> (the profile, wall seconds of the calls)."""
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
@@ -40,7 +40,16 @@ def profile_step(fn, device: torch.device, repeats: int = 10) -> dict:
             fn()
         if cuda:
             torch.cuda.synchronize()
-        wall_us = (time.perf_counter() - start) * 1e6 / repeats
+        wall_s = time.perf_counter() - start
+    return prof, wall_s
+
+
+def profile_step(fn, device: torch.device, repeats: int = 10) -> dict:
+    """fn() runs one step (warmed by the caller). -> {"wall_us", "kernel_us", "gap_us", kernels,
+    kinds}: per step, averaged over `repeats`."""
+    cuda = device.type == "cuda"
+    prof, wall_s = profiled_run(fn, device, repeats)
+    wall_us = wall_s * 1e6 / repeats
     kernels = defaultdict(lambda: [0, 0.0])  # name -> [calls, us]
     for e in prof.events():
         if (e.device_type == DeviceType.CUDA) if cuda else (e.cpu_parent is None):

@@ -6,7 +6,6 @@ table, writes JSON."""
 import argparse
 import json
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -14,25 +13,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from benchmarks.kernel_profile import profiled_run  # noqa: E402
 from deployments.prompt_sets import load_prompts  # noqa: E402
 from speculative.config import EngineConfig, SamplingParams  # noqa: E402
 from speculative.engine.llm_engine import LLMEngine, encode_prompt  # noqa: E402
 
 
 def profiled(engine: LLMEngine, num_steps: int) -> dict:
-    cuda = engine.executor.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    if cuda:
-        torch.cuda.synchronize()
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        for _ in range(num_steps):
-            engine.step()
-        if cuda:
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - start
+    prof, wall = profiled_run(engine.step, engine.executor.device, num_steps)
     kernels = defaultdict(lambda: [0, 0.0])
     ops = 0  # top-level ATen ops: what the host dispatches one by one when not graphed
     for e in prof.events():
