@@ -1,7 +1,8 @@
 """The families through TP=2 on gloo (Ray workers): Qwen2's biased q/k/v projections shard with
 their heads (yarn RoPE), Qwen3's per-head q/k norms, Llama 3.1's scaled RoPE and Mistral's layer;
 greedy output stays transformers' token for token. An FP8 checkpoint's weights and scales shard
-too, decoding as TP=1 does."""
+too, decoding as TP=1 does. Mixtures of experts at TP 2 and 3: every expert split along its
+intermediate dimension (Qwen2-MoE's shared expert too), the router whole on every rank."""
 
 import pytest
 import ray
@@ -14,24 +15,31 @@ from speculative.engine.coordinator import CoordinatorActor
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     yield
     ray.shutdown()
 
 
+# TP 3 needs heads, KV heads and expert widths that 3 divides
+TP3_SHAPE = {"num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 16}
+TP3_SHAPE |= {"intermediate_size": 96, "moe_intermediate_size": 48}
+
+
 @pytest.mark.parametrize(
-    "family, rope",
-    [("qwen2", "yarn"), ("qwen3", "default"), ("llama", "llama3"), ("mistral", "default")],
-)
-def test_tp2_greedy_matches_transformers(tmp_path, family, rope):
-    target = write_tiny_family(tmp_path / family, family, rope)
+    "family, rope, tp",
+    [("qwen2", "yarn", 2), ("qwen3", "default", 2), ("llama", "llama3", 2),
+     ("mistral", "default", 2), ("qwen2_moe", "default", 2), ("qwen3_moe", "default", 3)],
+)  # fmt: skip
+def test_tp_greedy_matches_transformers(tmp_path, family, rope, tp):
+    shape = TP3_SHAPE if tp == 3 else {}
+    target = write_tiny_family(tmp_path / family, family, rope, **shape)
     prompts = tiny_prompts(3, vocab=96, seed=2, min_len=20, max_len=150)
     cfg = EngineConfig(
         model=str(target),
         drafter="default",  # a random drafter for this target: speculative, still exact
         max_batch_size=4,
         max_model_len=256,
-        tp=2,
+        tp=tp,
         device="cpu",
         dtype="float32",
     )

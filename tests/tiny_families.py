@@ -12,6 +12,18 @@ FAMILIES = {  # family -> (transformers config class, extra config fields)
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", {"use_sliding_window": False}),
     "qwen3": ("Qwen3Config", {"head_dim": 24, "use_sliding_window": False}),
+    # mixtures of experts: experts of several widths, some dense layers, a shared expert
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48}
+        | {"shared_expert_intermediate_size": 96, "mlp_only_layers": [1]},
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 24, "head_dim": 24}
+        | {"norm_topk_prob": True, "decoder_sparse_step": 2},
+    ),
 }
 ROPES = {  # rope_type -> rope_scaling, as the published configs write it
     "default": None,

@@ -16,6 +16,7 @@ from speculative.drafter_format import (
     resolve_drafter,
 )
 from workers.layers.fp8 import cast_
+from workers.layers.moe import ExpertWeights
 from workers.layers.parallel import QuantizableLinear
 from workers.models import ModelConfig, model_class
 from workers.models.loader import load_target_weights
@@ -79,10 +80,11 @@ def load_models(
 
 
 def quantize_fp8_(model: torch.nn.Module) -> None:
-    """Every linear layer's weight (this rank's shard) to FP8, a scale per output row: better
-    than vLLM's one scale per tensor for `--quantization fp8`, at no cost in the matmul."""
+    """Every linear layer's and expert's weight (this rank's shard) to FP8, a scale per output
+    row: better than vLLM's one scale per tensor for `--quantization fp8`, at no cost in the
+    matmul. Routers stay in the model's dtype."""
     for module in model.modules():
-        if isinstance(module, QuantizableLinear) and module.weight_scale is None:
+        if isinstance(module, QuantizableLinear | ExpertWeights) and module.weight_scale is None:
             module.use_fp8(quantize=True)
 
 

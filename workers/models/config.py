@@ -16,12 +16,22 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+MOE_ARCHITECTURES = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
+# known families this code cannot run yet, and what they lack
+REFUSED_FAMILIES = {
+    "gpt_oss": "gpt-oss needs attention sinks, sliding-window layers and MXFP4 experts, "
+    "which are not supported",
+    "deepseek_v3": "DeepSeek-V3 needs multi-head latent attention, which is not supported",
 }
 # fields that mean a model this code would run wrongly: refused by name
 UNSUPPORTED_FIELDS = {
-    "num_experts": "mixture-of-experts layers",
-    "num_local_experts": "mixture-of-experts layers",
-    "n_routed_experts": "mixture-of-experts layers",
+    "num_experts": "mixture-of-experts layers outside the MoE families",
+    "num_local_experts": "mixture-of-experts layers outside the MoE families",
+    "n_routed_experts": "DeepSeek-style routed experts",
     "kv_lora_rank": "multi-head latent attention (MLA)",
     "q_lora_rank": "multi-head latent attention (MLA)",
     "vision_config": "a multimodal model",
@@ -59,6 +69,21 @@ def eos_token_ids(model_dir: Path) -> set[int]:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts target's expert layers (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    renormalize: bool  # the top-k weights rescaled to sum to one
+    shared_expert_size: int = 0  # Qwen2-MoE's gated shared expert, beside the routed ones
+    dense_layers: tuple[int, ...] = ()  # layers with the dense MLP instead
+
+    def sparse(self, layer_id: int) -> bool:
+        return layer_id not in self.dense_layers
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -77,6 +102,7 @@ class ModelConfig:
     rope_scaling: dict | None = field(default=None, compare=False)  # rotary.rope_frequencies'
     sliding_window: int | None = None  # Mistral's; served only while the context fits in it
     quantization: str | None = None  # the FP8 checkpoint's quant_method (models/quantization.py)
+    moe: MoeConfig | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
@@ -116,13 +142,15 @@ class ModelConfig:
 def _check_family(cfg: dict, refuse) -> str:
     arch = cfg.get("architectures") or ["LlamaForCausalLM"]
     model_type = cfg.get("model_type", "llama")
+    if model_type in REFUSED_FAMILIES:
+        raise refuse(f"model_type {model_type!r}: {REFUSED_FAMILIES[model_type]}")
     if len(arch) != 1 or SUPPORTED_ARCHITECTURES.get(arch[0]) != model_type:
         raise refuse(
             f"model_type {model_type!r}, architectures {arch}: supported are "
             + ", ".join(f"{a} ({t})" for a, t in SUPPORTED_ARCHITECTURES.items())
         )
     for key, what in UNSUPPORTED_FIELDS.items():
-        if cfg.get(key):
+        if cfg.get(key) and not (arch[0] in MOE_ARCHITECTURES and key != "n_routed_experts"):
             raise refuse(f"{key} is set: {what} is not supported")
     if cfg.get("hidden_act", "silu") != "silu":
         raise refuse(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
@@ -205,7 +233,34 @@ def _checked_fields(cfg: dict, refuse) -> dict:
         eos_token_id=cfg.get("eos_token_id"),
         rope_scaling=rope,
         sliding_window=number("sliding_window", None)
-        if architecture == "MistralForCausalLM"
+        if architecture in ("MistralForCausalLM", "MixtralForCausalLM")
         else None,
         quantization=quantization,
+        moe=_moe_config(cfg, architecture, number, refuse),
+    )
+
+
+def _moe_config(cfg: dict, architecture: str, number, refuse) -> MoeConfig | None:
+    """Mixtral's experts are intermediate_size wide, every layer sparse, weights renormalized;
+    Qwen's are moe_intermediate_size wide, in the layers that decoder_sparse_step and
+    mlp_only_layers leave sparse, renormalized where norm_topk_prob says."""
+    if architecture not in MOE_ARCHITECTURES:
+        return None
+    experts = cfg.get("num_experts") or number("num_local_experts")
+    top_k = number("num_experts_per_tok")
+    if not (isinstance(experts, int) and 0 < top_k <= experts):
+        raise refuse(f"num_experts_per_tok {top_k} must be 1..num_experts ({experts!r})")
+    if architecture == "MixtralForCausalLM":
+        return MoeConfig(experts, top_k, number("intermediate_size"), renormalize=True)
+    step = number("decoder_sparse_step", 1)
+    layers = number("num_hidden_layers")
+    dense = set(cfg.get("mlp_only_layers") or ()) | {i for i in range(layers) if (i + 1) % step}
+    shared = number("shared_expert_intermediate_size", 0) if "Qwen2" in architecture else 0
+    return MoeConfig(
+        experts,
+        top_k,
+        number("moe_intermediate_size"),
+        renormalize=bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_size=shared,
+        dense_layers=tuple(sorted(dense)),
     )

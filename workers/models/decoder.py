@@ -34,12 +34,12 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residuals (Llama's layer). A family's layer may set
-    `qkv_bias` (Qwen2) or `qk_norm` (Qwen3)."""
+    `qkv_bias` (Qwen2) or `qk_norm` (Qwen3), or make another feed-forward block (`make_mlp`)."""
 
     qkv_bias = False
     qk_norm = False
 
-    def __init__(self, cfg: ModelConfig, rotary: Rotary, group=None):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary, group=None, layer_id: int = 0):
         super().__init__()
         H = cfg.hidden_size
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
@@ -55,7 +55,10 @@ class DecoderLayer(nn.Module):
             qk_norm_eps=cfg.rms_norm_eps if self.qk_norm else None,
         )
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
-        self.mlp = MLP(H, cfg.intermediate_size, group)
+        self.mlp = self.make_mlp(cfg, group, layer_id)
+
+    def make_mlp(self, cfg: ModelConfig, group, layer_id: int) -> nn.Module:
+        return MLP(cfg.hidden_size, cfg.intermediate_size, group)
 
     def forward(
         self, h: torch.Tensor, batch: ForwardBatch, inputs: AttentionInputs
@@ -89,7 +92,7 @@ class DecoderModel(nn.Module):
         self.rotary = Rotary(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group)
         self.layers = nn.ModuleList(
-            self.layer_class(cfg, self.rotary, group) for _ in range(cfg.num_hidden_layers)
+            self.layer_class(cfg, self.rotary, group, i) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, group)

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
@@ -163,10 +164,19 @@ FUSED = {
     "up_proj": ("gate_up_proj", 1),
 }
 UNFUSED = {fused: name for name, fused in FUSED.items()}
+# one expert's projection (Qwen's names, Mixtral's w1/w3/w2) -> (ExpertWeights module, part)
+EXPERT = re.compile(r"(.*)\.experts\.(\d+)\.(\w+)")
+# (module, part, parts of each expert in it)
+EXPERT_PARTS = {"gate_proj": ("gate_up", 0, 2), "up_proj": ("gate_up", 1, 2)}
+EXPERT_PARTS |= {"down_proj": ("down", 0, 1), "w1": EXPERT_PARTS["gate_proj"]}
+EXPERT_PARTS |= {"w3": EXPERT_PARTS["up_proj"], "w2": EXPERT_PARTS["down_proj"]}
 
 
 def _checkpoint_name(module_path: str, index: int, param: str) -> str:
     parent, _, leaf = module_path.rpartition(".")
+    if parent.endswith(".experts"):
+        expert, part = divmod(index, 2) if leaf == "gate_up" else (index, 2)
+        return f"{parent}.{expert}.{('gate_proj', 'up_proj', 'down_proj')[part]}.{param}"
     leaf = UNFUSED.get((leaf, index), leaf)
     return f"{parent}.{leaf}.{param}" if parent else f"{leaf}.{param}"
 
@@ -174,6 +184,11 @@ def _checkpoint_name(module_path: str, index: int, param: str) -> str:
 def _module_key(name: str) -> tuple[str, int, str]:
     """A checkpoint tensor's name -> (the model's module path, fused sub-matrix, parameter)."""
     module_path, _, param = name.removeprefix("model.").rpartition(".")
+    module_path = module_path.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's block
+    expert = EXPERT.fullmatch(module_path)
+    if expert and expert[3] in EXPERT_PARTS:
+        weights, part, parts = EXPERT_PARTS[expert[3]]
+        return f"{expert[1]}.experts.{weights}", int(expert[2]) * parts + part, param
     parent, _, leaf = module_path.rpartition(".")
     leaf, index = FUSED.get(leaf, (leaf, 0))
     return (f"{parent}.{leaf}" if parent else leaf), index, param
@@ -227,7 +242,7 @@ def load_weights(model: nn.Module, tensors, source: str, skip: tuple[str, ...] =
         (n, i, param)
         for n, m in modules.items()
         if n not in skip
-        for i in range(len(getattr(m, "output_sizes", [0])))
+        for i in range(getattr(m, "num_parts", None) or len(getattr(m, "output_sizes", [0])))
         for param in ("weight", "bias", "weight_scale")
         if isinstance(getattr(m, param, None), nn.Parameter)
     }  # q, k, v (gate, up) each, weights, biases and FP8 scales

@@ -1,0 +1,165 @@
+"""Mixture-of-experts targets (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE with dense
+layers between sparse ones), as transformers builds and saves them: prompt log-probabilities and
+greedy output equal to transformers', speculative greedy equal to plain in float32, bfloat16 and
+FP8; and the fused Triton kernel (run by Triton's interpreter on CPU) equal to the loop over
+experts across expert counts, top-k 1 to 8 and uneven routings: experts with no token, one, or
+every one. TP 2 and 3 are in test_models_tp.py."""
+
+import os
+
+import pytest
+import torch
+from conftest import run_to_completion, tiny_engine, tiny_prompts, write_random_drafter
+from tiny_families import assert_greedy_equal, hf_greedy, read_config, write_tiny_family
+
+from speculative.config import SamplingParams
+from workers.layers.fp8 import quantize_rows
+from workers.layers.moe import moe_reference, route
+from workers.models import MODELS, ModelConfig
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's decorators run
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {family: write_tiny_family(root / family, family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return tiny_prompts(3, vocab=96, seed=3, min_len=8, max_len=60)
+
+
+def hf_prompt_logprobs(model_dir, prompt: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    return logprobs[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logprobs_and_greedy_match_transformers(dirs, prompts, family):
+    engine = tiny_engine(dirs[family])
+    target = engine.executor.target
+    assert type(target) is MODELS[read_config(dirs[family])["architectures"][0]]
+    moe = engine.executor.target_cfg.moe
+    assert [moe.sparse(i) for i in range(4)] == {
+        "mixtral": [True] * 4,
+        "qwen2_moe": [True, False, True, True],
+        "qwen3_moe": [False, True, False, True],
+    }[family]
+    params = GREEDY.model_copy(update={"prompt_logprobs": 1})
+    for prompt, request in zip(prompts, run_to_completion(engine, prompts, params)):
+        ours = torch.tensor([chosen for chosen, _ in request.prompt_logprobs])
+        torch.testing.assert_close(
+            ours, hf_prompt_logprobs(dirs[family], prompt), atol=1e-4, rtol=0
+        )
+        assert_greedy_equal(request.output_ids, *hf_greedy(dirs[family], prompt, 16))
+
+
+@pytest.mark.parametrize(
+    "family, dtype, quantization",
+    [
+        ("qwen3_moe", "float32", None),
+        ("qwen2_moe", "bfloat16", None),
+        ("mixtral", "float32", "fp8"),
+    ],
+)
+def test_speculative_greedy_equals_plain(dirs, prompts, tmp_path, family, dtype, quantization):
+    """In the GPU's dtype and with FP8 experts (`--quantization fp8` quantizes them, not the
+    router) too."""
+    drafter = write_random_drafter(tmp_path / "drafter", dirs[family])
+    options = dict(dtype=dtype, quantization=quantization)
+    plain_engine = tiny_engine(dirs[family], **options)
+    sparse = next(l.mlp for l in plain_engine.executor.target.layers if hasattr(l.mlp, "gate"))
+    assert (sparse.experts.gate_up.weight_scale is not None) == (quantization == "fp8")
+    assert sparse.gate.weight.dtype == getattr(torch, dtype)
+    plain = run_to_completion(plain_engine, prompts, GREEDY)
+    drafted = run_to_completion(tiny_engine(dirs[family], drafter, k=3, **options), prompts, GREEDY)
+    assert [r.output_ids for r in drafted] == [r.output_ids for r in plain]
+
+
+def test_config_reading_and_refusals(dirs):
+    cfg = read_config(dirs["qwen2_moe"])
+    moe = ModelConfig.from_hf(cfg).moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (4, 2, 48)
+    assert (moe.shared_expert_size, moe.renormalize, moe.dense_layers) == (96, False, (1,))
+    with pytest.raises(ValueError, match="num_experts_per_tok 5 must be 1..num_experts"):
+        ModelConfig.from_hf(cfg | {"num_experts_per_tok": 5})
+    llama = read_config(dirs["qwen2_moe"]) | {"architectures": ["LlamaForCausalLM"]}
+    with pytest.raises(ValueError, match="num_experts is set: mixture-of-experts layers outside"):
+        ModelConfig.from_hf(llama | {"model_type": "llama"})
+    gpt_oss = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"}
+    with pytest.raises(ValueError, match="gpt-oss needs attention sinks"):
+        ModelConfig.from_hf(gpt_oss)
+
+
+# ---- the fused kernel ----
+
+
+def _experts(E, H, inter, dtype, fp8, seed):
+    g = torch.Generator().manual_seed(seed)
+    w13, w2 = (
+        torch.randn(E, 2 * inter, H, generator=g) / 8,
+        torch.randn(E, H, inter, generator=g) / 8,
+    )
+    if not fp8:
+        return w13.to(dtype), w2.to(dtype), None, None
+    q13, s13 = quantize_rows(w13.reshape(-1, H))
+    q2, s2 = quantize_rows(w2.reshape(-1, inter))
+    return q13.view(w13.shape), q2.view(w2.shape), s13.view(E, -1), s2.view(E, -1)
+
+
+ROUTINGS = {  # name -> (experts, top-k, tokens, forced expert ids or None)
+    "top1 one token": (4, 1, 1, None),
+    "top2": (8, 2, 5, None),
+    "top4 many tokens": (6, 4, 37, None),
+    "top8 of 16": (16, 8, 7, None),
+    "all to one expert": (5, 1, 20, [[3]] * 20),
+    "one token each, rest empty": (12, 2, 2, [[0, 11], [5, 7]]),
+}
+
+
+@pytest.mark.parametrize("dtype, fp8", [(torch.float32, False), (torch.float16, False),
+                                        (torch.float32, True)])  # fmt: skip
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+def test_fused_kernel_equals_the_loop_over_experts(routing, dtype, fp8):
+    pytest.importorskip("triton")
+    from workers.layers.fused_moe import fused_moe
+
+    E, k, T, forced = ROUTINGS[routing]
+    H, inter = 64, 40  # a tail in every block of K and N
+    weights = _experts(E, H, inter, dtype, fp8, seed=T)
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    route_weights, ids = route(torch.randn(T, E, generator=g), k, renormalize=True)
+    if forced is not None:
+        ids = torch.tensor(forced)
+    w13, w2, s13, s2 = weights
+    ours = fused_moe(x, w13, w2, route_weights, ids, s13, s2)
+    reference = moe_reference(x, w13, w2, route_weights, ids, s13, s2)
+    tol = 2e-3 if dtype == torch.float16 else 1e-4
+    torch.testing.assert_close(ours.float(), reference.float(), atol=tol, rtol=tol)
+
+
+def test_alignment_groups_every_entry_once():
+    pytest.importorskip("triton")
+    from workers.layers.fused_moe import align_by_expert
+
+    ids = torch.tensor([[2, 0], [2, 1], [2, 0], [4, 2]])
+    sorted_ids, block_expert = align_by_expert(ids, num_experts=6, block_m=4)
+    blocks = sorted_ids.view(-1, 4)
+    flat = ids.flatten()
+    seen = []
+    for block, expert in zip(blocks.tolist(), block_expert.tolist()):
+        entries = [e for e in block if e < flat.numel()]
+        assert all(flat[e] == expert for e in entries)
+        seen += entries
+    assert sorted(seen) == list(range(flat.numel()))
+    # four entries of expert 2 fill one block; 3 and 5 have none; unused blocks say 6
+    assert block_expert.tolist() == [0, 1, 2, 4, 6, 6, 6]
