@@ -46,6 +46,15 @@ SHAPES = {
         "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
         "tie_word_embeddings": False,
     },
+    "hf-qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+        "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+        "tie_word_embeddings": False, "num_experts": 128, "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
 }  # fmt: skip
 TINY = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -55,6 +64,9 @@ SHAPES |= {
     "tiny-llama": SHAPES["hf-llama-3.1-8b"] | TINY,
     "tiny-qwen2": SHAPES["hf-qwen2.5-7b"] | TINY,
     "tiny-qwen3": SHAPES["hf-qwen3-8b"] | TINY | {"head_dim": 32},
+    "tiny-qwen3-moe": SHAPES["hf-qwen3-30b-a3b"]
+    | TINY
+    | {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
 }
 
 

@@ -9,8 +9,21 @@ import os
 
 import pytest
 import torch
-from conftest import run_to_completion, tiny_engine, tiny_prompts, write_random_drafter
-from tiny_families import assert_greedy_equal, hf_greedy, read_config, write_tiny_family
+from conftest import (
+    replay_graphs_on_cpu,
+    run_to_completion,
+    tiny_engine,
+    tiny_prompts,
+    write_random_drafter,
+)
+from tiny_families import (
+    assert_greedy_equal,
+    hf_greedy,
+    read_config,
+    write_flat_head,
+    write_speculators_head,
+    write_tiny_family,
+)
 
 from speculative.config import SamplingParams
 from workers.layers.fp8 import quantize_rows
@@ -62,26 +75,36 @@ def test_logprobs_and_greedy_match_transformers(dirs, prompts, family):
         assert_greedy_equal(request.output_ids, *hf_greedy(dirs[family], prompt, 16))
 
 
+HEADS = {  # the layouts of published MoE heads
+    "flat": write_flat_head,  # lmsys/Qwen3-235B-A22B-EAGLE3, Tengyunw/qwen3_30b_moe_eagle3
+    "speculators": write_speculators_head,  # nm-testing/Qwen3-235B-A22B-EAGLE3-converted-...
+    "ours": write_random_drafter,
+}
+
+
 @pytest.mark.parametrize(
-    "family, dtype, quantization",
-    [
-        ("qwen3_moe", "float32", None),
-        ("qwen2_moe", "bfloat16", None),
-        ("mixtral", "float32", "fp8"),
-    ],
-)
-def test_speculative_greedy_equals_plain(dirs, prompts, tmp_path, family, dtype, quantization):
-    """In the GPU's dtype and with FP8 experts (`--quantization fp8` quantizes them, not the
-    router) too."""
-    drafter = write_random_drafter(tmp_path / "drafter", dirs[family])
+    "family, head, dtype, quantization",
+    [("qwen3_moe", "flat", "float32", None), ("qwen2_moe", "ours", "bfloat16", None),
+     ("mixtral", "speculators", "float32", "fp8")],
+)  # fmt: skip
+def test_speculative_greedy_equals_plain(
+    dirs, prompts, tmp_path, family, head, dtype, quantization
+):
+    """With the heads' layouts, in the GPU's dtype, and with FP8 experts (`--quantization fp8`
+    quantizes them, not the router); the speculative steps replayed as graphs (the CPU
+    stand-in)."""
+    drafter = HEADS[head](tmp_path / "drafter", dirs[family])
     options = dict(dtype=dtype, quantization=quantization)
     plain_engine = tiny_engine(dirs[family], **options)
     sparse = next(l.mlp for l in plain_engine.executor.target.layers if hasattr(l.mlp, "gate"))
     assert (sparse.experts.gate_up.weight_scale is not None) == (quantization == "fp8")
     assert sparse.gate.weight.dtype == getattr(torch, dtype)
     plain = run_to_completion(plain_engine, prompts, GREEDY)
-    drafted = run_to_completion(tiny_engine(dirs[family], drafter, k=3, **options), prompts, GREEDY)
+    engine = tiny_engine(dirs[family], drafter, k=3, **options)
+    graphs = replay_graphs_on_cpu(engine.executor)
+    drafted = run_to_completion(engine, prompts, GREEDY)
     assert [r.output_ids for r in drafted] == [r.output_ids for r in plain]
+    assert sum(g.replays for g in graphs.all()) > 0
 
 
 def test_config_reading_and_refusals(dirs):

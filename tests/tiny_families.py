@@ -167,6 +167,8 @@ def write_flat_head(path: Path, target_dir: Path, seed: int = 1) -> Path:
         "tie_word_embeddings": False,
         "torch_dtype": "float16",
     }
+    if target.get("head_dim"):  # Qwen3's heads (128 wide, not hidden / heads) write it
+        config["head_dim"] = target["head_dim"]
     Path(path).mkdir(parents=True)
     (Path(path) / "config.json").write_text(json.dumps(config, indent=2))
     save_file(state, str(Path(path) / "model.safetensors"))

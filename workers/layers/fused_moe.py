@@ -72,10 +72,16 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_ids, block_expert
 
 
-def _expert_gemm(a, w, scale, route, out, aligned, a_rows_per_entry: int, block_m: int):
+def block_config(K: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): fixed rows a block whatever the batch
+    (a token's sums must not depend on the tokens beside it), deeper K tiles for wide inputs."""
+    return 16, 64, 64 if K <= 1024 else 128, 4, 3
+
+
+def _expert_gemm(a, w, scale, route, out, aligned, a_rows_per_entry: int, config):
     sorted_ids, block_expert = aligned
     E, N, K = w.shape
-    block_n, block_k = (64, 64) if K <= 1024 else (64, 128)
+    block_m, block_n, block_k, warps, stages = config or block_config(K)
     grid = (block_expert.numel(), triton.cdiv(N, block_n))
     _expert_gemm_kernel[grid](
         a, w, scale if scale is not None else w, route if route is not None else a, out,
@@ -84,22 +90,24 @@ def _expert_gemm(a, w, scale, route, out, aligned, a_rows_per_entry: int, block_
         HAS_SCALE=scale is not None, MUL_ROUTE=route is not None, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
 
-def fused_moe(x, w13, w2, route_weights, topk_ids, w13_scale=None, w2_scale=None):
+def fused_moe(x, w13, w2, route_weights, topk_ids, w13_scale=None, w2_scale=None, configs=None):
     """x [T, H]; w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], in x's dtype or FP8
-    with scales [E, 2I] and [E, H]; route_weights, topk_ids [T, k] -> [T, H] in x's dtype. The
-    block size is fixed, not chosen by T: a token's sums do not depend on its batch."""
+    with scales [E, 2I] and [E, H]; route_weights, topk_ids [T, k] -> [T, H] in x's dtype.
+    `configs`: block_config's tuples for the two GEMMs, to measure others (benchmarks/gpu); both
+    must share BLOCK_M, the alignment's."""
     T, k = topk_ids.shape
     inter = w2.shape[2]
-    block_m = 16
-    aligned = align_by_expert(topk_ids, w13.shape[0], block_m)
+    first, second = configs or (block_config(w13.shape[2]), block_config(inter))
+    aligned = align_by_expert(topk_ids, w13.shape[0], first[0])
     gate_up = x.new_empty(T * k, 2 * inter)
     x = x.contiguous()
-    _expert_gemm(x, w13, w13_scale, None, gate_up, aligned, k, block_m)
+    _expert_gemm(x, w13, w13_scale, None, gate_up, aligned, k, first)
     act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     down = torch.empty(T * k, x.shape[1], device=x.device, dtype=torch.float32)
     route = route_weights.float().contiguous().flatten()
-    _expert_gemm(act, w2, w2_scale, route, down, aligned, 1, block_m)
+    _expert_gemm(act, w2, w2_scale, route, down, aligned, 1, second)
     return down.view(T, k, -1).sum(1).to(x.dtype)
