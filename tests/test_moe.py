@@ -186,3 +186,29 @@ def test_alignment_groups_every_entry_once():
     assert sorted(seen) == list(range(flat.numel()))
     # four entries of expert 2 fill one block; 3 and 5 have none; unused blocks say 6
     assert block_expert.tolist() == [0, 1, 2, 4, 6, 6, 6]
+
+
+def test_fp8_checkpoint_experts_load_as_stored(tmp_path):
+    """A compressed-tensors FP8_DYNAMIC checkpoint of a MoE target (llm-compressor's layout:
+    every expert's projections FP8 with a scale per channel, the router not): the experts hold
+    the file's FP8 bytes and scales, the router stays float, and the FP8 experts compute what
+    their dequantized weights do."""
+    from safetensors.torch import load_file
+    from tiny_fp8 import write_fp8
+
+    src = write_tiny_family(tmp_path / "float", "qwen3_moe")
+    fp8_dir = write_fp8(src, tmp_path / "fp8", "ct-channel")
+    block = tiny_engine(fp8_dir).executor.target.layers[1].mlp
+    gate_up, down = block.experts.gate_up, block.experts.down
+    stored = load_file(str(fp8_dir / "model.safetensors"))
+    up = "model.layers.1.mlp.experts.5.up_proj.weight"
+    rows = gate_up.weight.shape[1] // 2
+    assert torch.equal(gate_up.weight[5, rows:].view(torch.uint8), stored[up].view(torch.uint8))
+    torch.testing.assert_close(gate_up.weight_scale[5, rows:], stored[up + "_scale"][:, 0].float())
+    assert block.gate.weight.dtype == torch.float32 and down.weight_scale is not None
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))
+    weights, ids = route(block.gate(x), block.top_k, block.renormalize)
+    dequantized = [w.weight.float() * w.weight_scale[..., None] for w in (gate_up, down)]
+    torch.testing.assert_close(
+        block.experts(x, weights, ids), moe_reference(x, *dequantized, weights, ids)
+    )
