@@ -146,7 +146,7 @@ def test_engine_with_the_kernel_gives_the_reference_paths_tokens(
     cache and prompts in chunks."""
     shared = tiny_prompts(1, seed=5, min_len=40, max_len=40)[0]
     prompts = [shared + p for p in tiny_prompts(4, seed=6)]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
     options = dict(k=3, max_num_batched_tokens=64, draft_siblings=2 if tree else 0)
     drafter_dir = tiny_drafter_dir if drafter else "none"
     calls, prefill_starts = [], []
@@ -172,7 +172,7 @@ def test_engine_with_the_kernel_gives_the_reference_paths_tokens(
         outputs.append([r.output_ids for r in requests])
     assert outputs[0] == outputs[1]
     assert engine.scheduler.kv.manager.stats.num_hit_tokens >= 32
-    assert len(calls) > 100 and any(calls) == tree
+    assert len(calls) > 50 and any(calls) == tree
     assert max(prefill_starts) >= 32  # chunks past a cached prefix or an earlier chunk
 
 
@@ -183,7 +183,7 @@ def test_engine_picks_the_kernel_by_query_length(tiny_dir, tiny_drafter_dir, mon
     # a prefill bucket boundary: a padded graph bucket and its eager steps take the same kernel
     assert attention_backend.KERNEL_MAX_QUERY in workers.cuda_graphs.kv_buckets(8192, 16)
     prompts = tiny_prompts(4, seed=9, min_len=40, max_len=60)
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
     engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3)
     reference_ids = [r.output_ids for r in run_to_completion(engine, prompts, params, [0, 0, 3, 3])]
     kernel_rows, prefill_rows, gather_rows = [], [], []
@@ -221,7 +221,7 @@ def test_graphs_bucket_by_batch_only_with_the_kernel(tiny_dir, tiny_drafter_dir,
     the interpreter would run the prefill kernel in every prefill graph's capture."""
     prefix = tiny_prompts(1, seed=7, min_len=320, max_len=320)[0]  # 20 blocks
     prompts = [prefix + p for p in tiny_prompts(4, seed=8, min_len=3, max_len=8)]
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
     schedule = [0, 2, 4, 6]  # each later prompt prefills alone, past the cached prefix
     engine = tiny_engine(tiny_dir, tiny_drafter_dir, k=3, max_model_len=512)
     reference_ids = [r.output_ids for r in run_to_completion(engine, prompts, params, schedule)]
