@@ -23,7 +23,7 @@ QUESTIONS = [
     "Name three colors of the rainbow.",
     "Explain what a prime number is.",
 ]
-GREEDY = SamplingParams(max_tokens=24)
+GREEDY = SamplingParams(max_tokens=16)
 
 
 @pytest.fixture(scope="module", autouse=True)
