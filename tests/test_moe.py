@@ -107,6 +107,19 @@ def test_speculative_greedy_equals_plain(
     assert sum(g.replays for g in graphs.all()) > 0
 
 
+def test_auto_k_profiles_the_moe_verify_and_stays_exact(dirs, prompts, tmp_path):
+    """`auto` picks K from the verify passes it timed at start on this target: for a MoE target
+    a wider verify routes to more experts, and those timings are what say so. bfloat16."""
+    target = dirs["qwen3_moe"]
+    drafter = write_random_drafter(tmp_path / "drafter", target)
+    engine = tiny_engine(target, drafter, k="auto", dtype="bfloat16")
+    costs = engine.executor.step_costs
+    assert {k for _, k in costs} == set(range(6)) and all(t > 0 for t in costs.values())
+    plain = run_to_completion(tiny_engine(target, dtype="bfloat16"), prompts, GREEDY)
+    drafted = run_to_completion(engine, prompts, GREEDY)
+    assert [r.output_ids for r in drafted] == [r.output_ids for r in plain]
+
+
 def test_config_reading_and_refusals(dirs):
     cfg = read_config(dirs["qwen2_moe"])
     moe = ModelConfig.from_hf(cfg).moe
