@@ -130,9 +130,25 @@ def test_config_reading_and_refusals(dirs):
     llama = read_config(dirs["qwen2_moe"]) | {"architectures": ["LlamaForCausalLM"]}
     with pytest.raises(ValueError, match="num_experts is set: mixture-of-experts layers outside"):
         ModelConfig.from_hf(llama | {"model_type": "llama"})
+    deepseek = llama | {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}
+    with pytest.raises(ValueError, match="n_routed_experts is set"):
+        ModelConfig.from_hf(deepseek | {"n_routed_experts": 64})
     gpt_oss = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"}
     with pytest.raises(ValueError, match="gpt-oss needs attention sinks"):
         ModelConfig.from_hf(gpt_oss)
+
+
+def test_a_missing_expert_is_named(dirs, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = shutil.copytree(dirs["mixtral"], tmp_path / "broken")
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["model.layers.2.block_sparse_moe.experts.3.w3.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"lacks weights for \['layers.2.mlp.experts.3.up_proj"):
+        tiny_engine(broken)
 
 
 # ---- the fused kernel ----

@@ -150,7 +150,8 @@ def _check_family(cfg: dict, refuse) -> str:
             + ", ".join(f"{a} ({t})" for a, t in SUPPORTED_ARCHITECTURES.items())
         )
     for key, what in UNSUPPORTED_FIELDS.items():
-        if cfg.get(key) and not (arch[0] in MOE_ARCHITECTURES and key != "n_routed_experts"):
+        expert_count = key in ("num_experts", "num_local_experts")
+        if cfg.get(key) and not (expert_count and arch[0] in MOE_ARCHITECTURES):
             raise refuse(f"{key} is set: {what} is not supported")
     if cfg.get("hidden_act", "silu") != "silu":
         raise refuse(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
