@@ -21,28 +21,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-out/fp8}
-mkdir -p "$OUT"
-TINY_FLAG=""
-if [[ -n "${TINY:-}" ]]; then
-    TINY_FLAG="--tiny"
-    export TRITON_INTERPRET=1
-else
-    bash .device/site/setup.sh >/dev/null
-    if [[ -f benchmarks/gpu/device_env.sh ]]; then source benchmarks/gpu/device_env.sh
-    else source benchmarks/device_env.sh; fi
-    export TRITON_INTERPRET=0
-fi
-export PYTHONUNBUFFERED=1
-END=$((SECONDS + ${BUDGET:-450}))
+BUDGET=${BUDGET:-450} JOB_LOG="$OUT/fp8_job.log"
 PARTS=" ${PARTS:-wo tests plain profile floor gemm kernel capacity fp8kv} "
-part() {  # part NAME SECONDS_NEEDED command...
-    local name=$1 need=$2; shift 2
-    [[ "$PARTS" == *" $name "* ]] || return 0
-    if (( SECONDS + need > END )); then echo "skipped (time budget): $name"; return 0; fi
-    echo "== $name ($((END - SECONDS)) s left)"
-    timeout $((END - SECONDS)) "$@" 2>&1 | tee -a "$OUT/fp8_job.log" \
-        | grep -v -i "warn\|it/s\]\|^{'" | tail -24
-}
+source benchmarks/gpu/job_setup.sh
 CHECKS="python3 benchmarks/gpu/fp8_checks.py $TINY_FLAG -o $OUT"
 FLOOR="python3 benchmarks/step_floor.py $TINY_FLAG --context 1024 8192"
 [[ -n "$TINY_FLAG" ]] && FLOOR="python3 benchmarks/step_floor.py --tiny"
@@ -65,5 +46,4 @@ part kernel 60 $CHECKS kernel
 part capacity 90 $CHECKS capacity
 part fp8kv 80 $FLOOR --quantization fp8 --kv-cache-dtype fp8 -o "$OUT/step_floor_fp8kv.json"
 $CHECKS summary 2>&1 | tail -20
-# At most 8 files come back from the device machine: more travel as one tar.
-if (( $(ls "$OUT" | wc -l) > 8 )); then (cd "$OUT" && tar cf fp8_results.tar --remove-files *); fi
+pack_results fp8_results

@@ -12,34 +12,15 @@
 #   verify  the same target with a random EAGLE-3 head at K = 1..5: the verify pass of K + 1
 #           tokens a row against plain's step (what auto K's costs must say for MoE)
 #   fp8     plain decode with --quantization fp8 (FP8 experts and linear layers)
-# Then moe_summary.py prints verify(K) / plain per batch.
+# Then moe_summary.py prints verify(K) / plain per batch; past 8 files, $OUT travels as one tar.
 # TINY=1 bash benchmarks/gpu/moe_job.sh: the CPU dry run (tiny shapes, Triton's interpreter).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-out/moe}
-mkdir -p "$OUT"
+BUDGET=${BUDGET:-500} PARTS=" ${PARTS:-kernel plain verify fp8} " JOB_LOG="$OUT/moe_job.log"
+source benchmarks/gpu/job_setup.sh
 MODEL=random:hf-qwen3-30b-a3b
-TINY_FLAG=""
-if [[ -n "${TINY:-}" ]]; then
-    TINY_FLAG="--tiny"
-    MODEL=random:tiny-qwen3-moe
-    export TRITON_INTERPRET=1
-else
-    bash .device/site/setup.sh >/dev/null
-    source benchmarks/gpu/device_env.sh
-    export TRITON_INTERPRET=0
-fi
-export PYTHONUNBUFFERED=1
-END=$((SECONDS + ${BUDGET:-500}))
-PARTS=" ${PARTS:-kernel plain verify fp8} "
-part() {  # part NAME SECONDS_NEEDED command...
-    local name=$1 need=$2; shift 2
-    [[ "$PARTS" == *" $name "* ]] || return 0
-    if (( SECONDS + need > END )); then echo "skipped (time budget): $name"; return 0; fi
-    echo "== $name ($((END - SECONDS)) s left)"
-    timeout $((END - SECONDS)) "$@" 2>&1 | tee -a "$OUT/moe_job.log" \
-        | grep -v -i "warn\|it/s\]\|^{'" | tail -24
-}
+[[ -n "$TINY_FLAG" ]] && MODEL=random:tiny-qwen3-moe
 FLOOR="python3 benchmarks/step_floor.py $TINY_FLAG --model $MODEL --kv-gib 4"
 [[ -z "$TINY_FLAG" ]] && FLOOR="$FLOOR --batch 1 8 32 --context 1024"
 part kernel 150 python3 benchmarks/gpu/moe_kernel_bench.py $TINY_FLAG -o "$OUT"
@@ -49,3 +30,4 @@ for K in 1 2 3 4 5; do
 done
 part fp8 60 $FLOOR --drafter none --quantization fp8 -o "$OUT/moe_plain_fp8.json"
 python3 benchmarks/gpu/moe_summary.py "$OUT"
+pack_results moe_results

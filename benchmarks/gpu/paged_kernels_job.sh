@@ -10,17 +10,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-out/paged_kernels}
-mkdir -p "$OUT"
-TINY_FLAG=""
-if [[ -n "${TINY:-}" ]]; then
-    TINY_FLAG="--tiny"
-    export TRITON_INTERPRET=1
-else
-    bash .device/site/setup.sh >/dev/null
-    source benchmarks/gpu/device_env.sh
-    export TRITON_INTERPRET=0
-fi
-export PYTHONUNBUFFERED=1
+source benchmarks/gpu/job_setup.sh
 if python3 -c "import pytest" 2>/dev/null; then
     echo "== tests"
     timeout ${TESTS_TIMEOUT:-150} python3 -m pytest tests/test_paged_prefill.py -q \
