@@ -60,8 +60,9 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     max_blocks = triton.cdiv(n + num_experts * (block_m - 1), block_m)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded_ends = ((counts + block_m - 1) // block_m * block_m).cumsum(0)
-    padded_starts = padded_ends - (counts + block_m - 1) // block_m * block_m
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = padded.cumsum(0)
+    padded_starts = padded_ends - padded
     order = torch.sort(flat, stable=True).indices  # entries of expert 0, then 1, ...
     experts = flat[order]
     rank = torch.arange(n, device=flat.device) - (counts.cumsum(0) - counts)[experts]
