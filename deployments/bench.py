@@ -141,7 +141,7 @@ def _encode_prompts(model: str, prompts_text: list[str]) -> list[list[int]]:
 class EngineVariant(NamedTuple):
     """One engine the benchmark starts; K and siblings are 0 for plain decoding."""
 
-    mode: str  # "plain" or "eagle"
+    mode: str  # "plain", "eagle" or "ngram" (drafts without a drafter)
     k: int | str  # or "auto"
     siblings: int
     cuda_graphs: bool
@@ -153,7 +153,7 @@ def _engine_variants(
     return [
         EngineVariant(m, k, s, g)
         for m in modes
-        for k in (ks if m == "eagle" else [0])
+        for k in (ks if m != "plain" else [0])
         for s in (siblings if m == "eagle" else [0])
         for g in graphs
     ]
@@ -162,11 +162,11 @@ def _engine_variants(
 def _engine_config(
     variant: EngineVariant, drafter: str, prompt_lookup: float, **shared
 ) -> EngineConfig:
-    """The variant's engine; plain decoding gets no drafter and no prompt lookup. `shared`: the
+    """The variant's engine; only EAGLE-3 gets the drafter and prompt lookup. `shared`: the
     EngineConfig fields every variant has in common."""
     eagle = variant.mode == "eagle"
     return EngineConfig(
-        drafter=drafter if eagle else "none",
+        drafter=drafter if eagle else {"plain": "none", "ngram": "ngram"}[variant.mode],
         num_draft_tokens="auto" if variant.k == "auto" else max(variant.k, 1),
         cuda_graphs=variant.cuda_graphs,
         prompt_lookup=prompt_lookup if eagle else 0.0,
@@ -261,13 +261,13 @@ def bench(
     runs = []
     # plain decoding runs once per batch size, with the first overlap setting asked for
     bar = tqdm(
-        total=sum(len(batches) * (len(overlaps) if v.mode == "eagle" else 1) for v in engines),
+        total=sum(len(batches) * (len(overlaps) if v.mode != "plain" else 1) for v in engines),
         desc="bench",
     )
     for variant in engines:
         cfg = _engine_config(variant, drafter, prompt_lookup, **shared)
         loads = list(
-            itertools.product(batches, overlaps if variant.mode == "eagle" else overlaps[:1])
+            itertools.product(batches, overlaps if variant.mode != "plain" else overlaps[:1])
         )
         startup_s, results = _run_engine(cfg, prompts, params, loads, prompts_per_batch, bar)
         runs += _run_rows(variant, cfg, startup_s, zip(loads, results), logprobs, temperature)

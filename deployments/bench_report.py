@@ -60,7 +60,7 @@ def plot(runs: list[dict], path: Path) -> bool:
         )
         label = (
             f"{mode}{f' K={k}' if k else ''}{f' M={m}' if m else ''}{' graphs' if g else ''}"
-            f"{' overlap' if o and mode == 'eagle' else ''}"
+            f"{' overlap' if o and mode != 'plain' else ''}"
         )
         ax.plot(*zip(*pts), marker="o", label=label)
     ax.set_xscale("log", base=2)

@@ -112,7 +112,7 @@ def run_to_completion(cfg, prompts: list[list[int]], params: list) -> list[dict]
     from speculative.engine.executor import check_tp_size
 
     check_tp_size(cfg)  # what fails here would fail in every worker, with Ray's tracebacks
-    if cfg.drafter not in ("none", "default"):
+    if cfg.drafter not in ("none", "default", "ngram"):
         drafter_dir(cfg.drafter)
     num_cpus = None if address or cfg.device == "cuda" else local_cpus(cfg.tp)
     ray.init(

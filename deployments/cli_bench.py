@@ -25,11 +25,11 @@ def _bench_sweep(args) -> tuple[list[int], list[int], list[int], list[str]]:
         min(k for k in ks + [1] if k != "auto") < 1
         or min(batches) < 1
         or min(siblings) < 0
-        or not set(modes) <= {"plain", "eagle"}
+        or not set(modes) <= {"plain", "eagle", "ngram"}
     ):
         raise ValueError(
-            "-k and --batch values must be >= 1, --draft-siblings >= 0, and --modes holds plain "
-            "and/or eagle"
+            "-k and --batch values must be >= 1, --draft-siblings >= 0, and --modes holds plain, "
+            "eagle and/or ngram"
         )
     return ks, batches, siblings, modes
 

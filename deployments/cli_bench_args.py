@@ -29,7 +29,11 @@ def bench_parser(sub) -> None:
 def _bench_sweep_args(b: argparse.ArgumentParser) -> None:
     """What `eagleserve bench` runs every combination of."""
     b.add_argument("--batch", default="1,8", help="comma-separated concurrency levels")
-    b.add_argument("--modes", default="plain,eagle", help="plain and/or eagle")
+    b.add_argument(
+        "--modes",
+        default="plain,eagle",
+        help="plain, eagle and/or ngram (drafts looked up in the request, no drafter)",
+    )
     b.add_argument("-k", default="5", help="comma-separated draft lengths (or auto)")
     b.add_argument("--cuda-graphs", choices=["on", "off", "both"], default="on", help="on GPUs")
     b.add_argument("--overlap", choices=["on", "off", "both"], default="on", help="the scheduler's")

@@ -21,6 +21,8 @@ ENGINE_FLAGS = (
     "tp",
     "prompt_lookup",
     "draft_siblings",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
     "kv_cache_memory_gb",
     "gpu_memory_utilization",
     "enable_prefix_caching",
@@ -64,7 +66,11 @@ def _draft_tokens(value: str) -> int | str:
 def _model_flags(add) -> None:
     """The model, its drafter and where and how big the engine runs it."""
     add("--model", help="model name, HF directory or .gguf file")
-    add("--drafter", help="'default', 'none' or an EAGLE-3 drafter directory")
+    add(
+        "--drafter",
+        help="'default', 'none', 'ngram' (drafts looked up in the request: any model, no "
+        "drafter) or an EAGLE-3 drafter directory",
+    )
     add(
         "--num-draft-tokens",
         "-k",
@@ -148,3 +154,11 @@ def _speculation_flags(add) -> None:
         help="verify the drafter's next M choices at every draft depth too, in the same pass "
         "(0: a chain)",
     )
+    for end in ("max", "min"):
+        add(
+            f"--prompt-lookup-{end}",
+            type=int,
+            metavar="N",
+            help=f"--drafter ngram: the {'longest' if end == 'max' else 'shortest'} run of the "
+            "request's last tokens looked up earlier in it",
+        )

@@ -111,7 +111,9 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = "smollm2-135m"
-    drafter: str = "default"  # "default", "none" or a directory
+    # "default", "none", "ngram" (drafts looked up in the request, no drafter model:
+    # speculative/ngram.py) or a directory
+    drafter: str = "default"
     # K; ignored when drafter is "none". 5: with the default drafter, K=5 was faster than K=3 on the
     # H200 at batch 1, 8 and 32 (BENCHMARKS.md, run E); on CPU the two were within noise
     # "auto": each step's K picked from the measured acceptance and step costs, at most
@@ -155,9 +157,25 @@ class EngineConfig(BaseModel):
     # the draft tree (speculative/draft_tree.py): at every depth of the chain, the drafter's next
     # this many choices are verified too, in the same target pass. 0: a chain
     draft_siblings: int = Field(0, ge=0, le=4)
+    # drafter "ngram": the longest and shortest run of the request's last tokens it looks up
+    # (vLLM's names)
+    prompt_lookup_max: int = Field(4, ge=1, le=16)
+    prompt_lookup_min: int = Field(2, ge=1, le=16)
     seed: int = Field(
         0, ge=0, le=2**40
     )  # seeds requests that bring none (seed * 1000003 + n fits int64)
+
+    @model_validator(mode="after")
+    def _check_ngram(self):
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must not exceed prompt_lookup_max")
+        if self.drafter == "ngram" and (self.prompt_lookup or self.draft_siblings):
+            # both are the drafter's: its probabilities choose between its drafts and a lookup,
+            # its next choices are the siblings
+            raise ValueError(
+                "prompt_lookup and draft_siblings need an EAGLE-3 drafter, not drafter ngram"
+            )
+        return self
 
     @property
     def speculative(self) -> bool:

@@ -9,17 +9,27 @@ chain"). Fixed shapes and device tensors only, so it runs inside the CUDA graphs
 unchanged, so the output is still exactly the target's."""
 
 import torch
+import torch.nn.functional as F
 
 
-def lookup(history: torch.Tensor, q: torch.Tensor, n: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+def lookup(
+    history: torch.Tensor, q: torch.Tensor, n: int = 5, n_min: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """history [B, L] token ids by position; q [B] the position of a drafter output, whose current
-    token is at q+1. -> (found [B]: the n tokens ending at q+1 also occur ending at some i <= q;
-    token [B]: history[i+1] for the largest such i)."""
-    L = history.shape[1]
+    token is at q+1. -> (found [B]: for some length m from n down to n_min (default n), the m
+    tokens ending at q+1 also occur ending at some i <= q; token [B]: history[i+1] for the largest
+    such m, and the largest such i for it)."""
+    n_min = n if n_min is None else n_min
+    L, dev = history.shape[1], history.device
     q = q.clamp(max=L - 2).unsqueeze(1)  # [B, 1]
-    i = torch.arange(n - 1, L - 1, device=history.device)  # candidate ends, i+1 < L
-    match = (i <= q) & (q + 2 - n >= 0)
-    for j in range(n):  # token j of the n ending at q+1 against token j of the n ending at i
-        match &= history[:, j : L - n + j] == history.gather(1, (q + 2 - n + j).clamp(min=0))
-    last = torch.where(match, i, 0).amax(1, keepdim=True)  # [B, 1], 0: none
-    return last[:, 0] > 0, history.gather(1, last + 1)[:, 0]
+    ends = torch.arange(L - 1, device=dev)  # candidate ends i, i+1 < L
+    match = ends <= q  # [B, L-1]: the j+1 tokens ending at i equal those ending at q+1
+    last = torch.full_like(q, -1)  # [B, 1], -1: none
+    for j in range(n):  # token j back from each end
+        back = F.pad(history[:, : L - 1 - j], (j, 0), value=-1)  # [B, L-1]: history[i - j]
+        current = history.gather(1, (q + 1 - j).clamp(min=0))  # [B, 1]
+        match &= (back == current) & (q + 1 - j >= 0)
+        if j + 1 >= n_min:  # a longer match found later wins
+            latest = torch.where(match, ends, -1).amax(1, keepdim=True)
+            last = torch.where(latest >= 0, latest, last)
+    return last[:, 0] >= 0, history.gather(1, last + 1)[:, 0]

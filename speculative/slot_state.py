@@ -89,6 +89,8 @@ class SlotState:
             self.stops_from.index_fill_(0, slots, 0)
         if plan.use_penalties:
             self._admit_counts(slots, inp)
+        if "prefill_cached_ids" in inp and self.history is not None:
+            self._record_cached(slots, inp["prefill_cached_ids"], inp["prefill_cached_lens"])
 
     def _admit_counts(self, slots: torch.Tensor, inp: dict[str, torch.Tensor]) -> None:
         """A prefill's ids (workers/step_io.py's penalty inputs) join its slot's prompt tokens,
@@ -122,6 +124,14 @@ class SlotState:
         rows = slots.unsqueeze(1).expand_as(tokens)
         counts = valid.to(self.output_counts.dtype)
         self.output_counts.index_put_((rows, tokens), counts, accumulate=True)
+
+    def _record_cached(self, slots, cached: torch.Tensor, lens: torch.Tensor) -> None:
+        """The history of a prefix-cache hit's cached ids [B, C] (positions 0..lens [B]); the
+        padding past them keeps what is there (a later chunk's row holds its prompt there)."""
+        positions = torch.arange(cached.shape[1], device=self.device).expand_as(cached)
+        rows = slots.unsqueeze(1).expand_as(cached)
+        kept = self.history[rows, positions]
+        self.record(slots, positions, torch.where(positions < lens.unsqueeze(1), cached, kept))
 
     def record(self, slots: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor):
         """With prompt lookup, history[slot, position] = token for positions and tokens [B, T]."""

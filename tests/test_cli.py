@@ -136,8 +136,8 @@ def test_bad_input_exits_with_a_message(tmp_path, case, content, args, message):
 
 def test_bench_writes_table_and_json(tmp_path):
     """`eagleserve bench` on CPU through the Ray path: one row per (mode, siblings, overlap, batch),
-    tokens from both engines, speculative rows that accept drafts, a plot; no NVML figure without a
-    GPU."""
+    tokens from every engine (n-gram drafts among them), EAGLE-3 rows that accept drafts, a plot;
+    no NVML figure without a GPU."""
     out = tmp_path / "bench.json"
     proc = eagleserve(
         "bench",
@@ -161,6 +161,8 @@ def test_bench_writes_table_and_json(tmp_path):
         0.5,
         "--draft-siblings",
         "0,1",
+        "--modes",
+        "plain,eagle,ngram",
         "-o",
         out,
     )
@@ -175,6 +177,10 @@ def test_bench_writes_table_and_json(tmp_path):
         ("eagle", 1, False, 2),
         ("eagle", 1, True, 1),
         ("eagle", 1, True, 2),
+        ("ngram", 0, False, 1),
+        ("ngram", 0, False, 2),
+        ("ngram", 0, True, 1),
+        ("ngram", 0, True, 2),
         ("plain", 0, True, 1),
         ("plain", 0, True, 2),
     ]
@@ -185,14 +191,15 @@ def test_bench_writes_table_and_json(tmp_path):
             and r["nvml_busy_fraction"] is None
         )
         assert r["logprobs"] == 1 and r["temperature"] == 0.5
-        assert (r["mean_acceptance_length"] > 1) == (r["mode"] == "eagle")
+        assert (r["mean_acceptance_length"] > 1) == (r["mode"] == "eagle") or r["mode"] == "ngram"
+    assert {r["k"] for r in runs if r["mode"] == "ngram"} == {2}
     assert "tok/s" in proc.stdout and out.with_suffix(".png").is_file()
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--modes", "spec"], "--modes holds plain and/or eagle"),
+        (["--modes", "spec"], "--modes holds plain, eagle and/or ngram"),
         (["-k", "0"], "-k and --batch values must be >= 1"),
         (["--batch", "0,2"], "-k and --batch values must be >= 1"),
         (["--batch", "two"], "-k (or auto), --batch and --draft-siblings take integers"),

@@ -47,10 +47,11 @@ def load_models(
     """-> (target, drafter); the drafter is None for plain decoding."""
     random_target = cfg.model.startswith("random:")
     drafter_dir = None
-    if cfg.speculative and cfg.drafter != "random":
+    if cfg.speculative and cfg.drafter not in ("random", "ngram"):
         drafter_dir = resolve_drafter(cfg.drafter, cfg.model, target_cfg)
-    # plain decoding captures no aux hidden states (and works for targets of any depth)
-    aux_ids = None if cfg.speculative else ()
+    # plain decoding and n-gram drafts capture no aux hidden states (and work for targets of
+    # any depth)
+    aux_ids = None if cfg.speculative and cfg.drafter != "ngram" else ()
     if drafter_dir:
         aux_ids = read_drafter_config(drafter_dir).aux_layer_ids
     with torch.device(device if random_target else "cpu"):

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from speculative.ngram import NgramProposer
 from speculative.plan import DraftSchedule, LateGrammar, StepPlan, draft_schedule
 from speculative.proposer import Proposer
 from speculative.resource_manager import Eagle3ResourceManager
@@ -100,13 +101,18 @@ class ModelRunner:
             self.dtype,
             dev,
         )
-        history_len = cache_len if cfg.prompt_lookup > 0 and drafter is not None else 0
+        ngram = cfg.drafter == "ngram" and self.K > 0
+        looks_up = ngram or (cfg.prompt_lookup > 0 and drafter is not None)
+        history_len = cache_len if looks_up else 0
         self.state = SlotState(self.num_slots, self.K, self.M, tc.vocab_size, history_len, dev)
         parts = (self.state, self.resources, self.kv)
         self.proposer = self.draft_grammars = None
         if drafter is not None:
             self.proposer = Proposer(drafter, *parts, self.K, self.M, cfg.prompt_lookup)
             self.draft_grammars = DraftGrammars(tc.vocab_size, dev, self.model_dir)
+        elif ngram:
+            n_range = cfg.prompt_lookup_min, cfg.prompt_lookup_max
+            self.proposer = NgramProposer(self.state, self.K, *n_range)
         whole_step = cfg.graph_first_draft and drafter is not None
         self.verifier = Verifier(self.target, *parts, self.proposer, self.K, self.M, whole_step)
         self.prefiller = Prefiller(self.target, *parts, self.proposer, self.K)

@@ -90,14 +90,18 @@ def _draft_inputs(plan: StepPlan, schedule: DraftSchedule) -> dict[str, torch.Te
     return host
 
 
+def _padded(rows: list[list[int]]) -> torch.Tensor:
+    """Lists of ids -> [len(rows), longest] long, padded with 0."""
+    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return ids
+
+
 def _prefill_inputs(plan: StepPlan) -> dict[str, torch.Tensor]:
     rows = plan.prefills
-    T = max(len(p.token_ids) for p in rows)
-    ids = torch.zeros(len(rows), T, dtype=torch.long)
-    for i, p in enumerate(rows):
-        ids[i, : len(p.token_ids)] = torch.tensor(p.token_ids)
     host = {
-        "prefill_ids": ids,
+        "prefill_ids": _padded([p.token_ids for p in rows]),
         "prefill_lens": torch.tensor([len(p.token_ids) for p in rows]),
         "prefill_slots": torch.tensor([p.slot for p in rows]),
         "prefill_starts": torch.tensor([p.start for p in rows]),
@@ -115,6 +119,9 @@ def _prefill_inputs(plan: StepPlan) -> dict[str, torch.Tensor]:
             host["prefill_bias_values"][i, : len(bias)] = torch.tensor(list(bias.values()))
     if plan.use_penalties:
         host |= _penalty_inputs(rows)
+    if any(p.cached_ids for p in rows):  # [rows, C] padded with 0 (SlotState.admit)
+        host["prefill_cached_ids"] = _padded([p.cached_ids for p in rows])
+        host["prefill_cached_lens"] = torch.tensor([len(p.cached_ids) for p in rows])
     if plan.use_min_tokens:  # [rows, MAX_STOP_IDS] padded with -1
         host["prefill_stops_from"] = torch.tensor([p.stops_from for p in rows])
         host["prefill_stop_ids"] = torch.full((len(rows), MAX_STOP_IDS), -1, dtype=torch.long)
@@ -129,9 +136,7 @@ def _penalty_inputs(rows: list) -> dict[str, torch.Tensor]:
     chunk's cached prefix (not computed) and every chunk's own tokens, padded [rows, C]; where
     the earlier output begins among them; whether the row starts the slot's counts afresh."""
     counted = [p.cached_ids + p.token_ids for p in rows]
-    ids = torch.zeros(len(rows), max(map(len, counted)), dtype=torch.long)
-    for i, row_ids in enumerate(counted):
-        ids[i, : len(row_ids)] = torch.tensor(row_ids)
+    ids = _padded(counted)
     # the position of each row's first counted id: 0 on a first chunk, else the chunk's start
     firsts = [p.start - len(p.cached_ids) for p in rows]
     no_output = ids.shape[1]

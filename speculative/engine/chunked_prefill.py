@@ -32,6 +32,9 @@ class PrefillPlanner:
         self.kv = kv  # the paged pool's blocks; None: the workers' contiguous per-slot caches
         self.k, self.tree_rows = k, tree_rows
         self.late_grammar = late_grammar()
+        # a first chunk past a prefix-cache hit carries the cached prefix's ids (the workers'
+        # history needs them: prompt lookup, n-gram drafts); with penalties it always does
+        self.sends_cached_ids = False
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
 
@@ -101,7 +104,7 @@ class PrefillPlanner:
         row.next_token = r.prefill_ids[end] if end < len(r.prefill_ids) else -1
         row.is_continued = is_continued
         row.output_from = len(r.prompt_ids) - r.params.prior_output_tokens
-        if r.params.has_penalties and not is_continued:
+        if (r.params.has_penalties or self.sends_cached_ids) and not is_continued:
             row.cached_ids = r.prefill_ids[:start]
         r.num_prefilled = end
         return row

@@ -65,16 +65,15 @@ class LLMEngine:
             cfg.seed,
             vocab_size=model_config.get("vocab_size"),
             tree_rows=cfg.k * cfg.draft_siblings,
-            # prompt lookup reads a request's whole prompt from the workers' history
             blocks=BlockManager(
-                executor.num_blocks,
-                executor.block_size,
-                cfg.enable_prefix_caching and not cfg.prompt_lookup,
+                executor.num_blocks, executor.block_size, cfg.enable_prefix_caching
             ),
             policy=cfg.scheduling_policy,
             auto_k=cfg.is_auto_k,
             step_costs=getattr(executor, "step_costs", None),
         )
+        # prompt lookup and n-gram drafts read a request's whole prompt from the workers' history
+        self.scheduler.prefill.sends_cached_ids = cfg.prompt_lookup > 0 or cfg.drafter == "ngram"
         self.in_flight = deque()  # (plan, handle), oldest first
         self.overlap = cfg.overlap  # may be switched between runs (benchmarks)
         self.device_s = 0.0  # GPU time of processed steps (0 on CPU)
