@@ -28,7 +28,8 @@ TP3_SHAPE |= {"intermediate_size": 96, "moe_intermediate_size": 48}
 @pytest.mark.parametrize(
     "family, rope, tp",
     [("qwen2", "yarn", 2), ("qwen3", "default", 2), ("llama", "llama3", 2),
-     ("mistral", "default", 2), ("qwen2_moe", "default", 2), ("qwen3_moe", "default", 3)],
+     ("mistral", "default", 2), ("qwen2_moe", "default", 2), ("qwen3_moe", "default", 3),
+     ("gpt_oss", "default", 2)],
 )  # fmt: skip
 def test_tp_greedy_matches_transformers(tmp_path, family, rope, tp):
     shape = TP3_SHAPE if tp == 3 else {}

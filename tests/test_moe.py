@@ -133,9 +133,9 @@ def test_config_reading_and_refusals(dirs):
     deepseek = llama | {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}
     with pytest.raises(ValueError, match="n_routed_experts is set"):
         ModelConfig.from_hf(deepseek | {"n_routed_experts": 64})
-    gpt_oss = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"}
-    with pytest.raises(ValueError, match="gpt-oss needs attention sinks"):
-        ModelConfig.from_hf(gpt_oss)
+    dsv3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
+    with pytest.raises(ValueError, match="DeepSeek-V3 needs multi-head latent attention"):
+        ModelConfig.from_hf(dsv3)
 
 
 def test_a_missing_expert_is_named(dirs, tmp_path):

@@ -24,6 +24,22 @@ FAMILIES = {  # family -> (transformers config class, extra config fields)
         {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 24, "head_dim": 24}
         | {"norm_topk_prob": True, "decoder_sparse_step": 2},
     ),
+    # sinks, biases, a window short enough for the prompts to slide past it, YaRN as published
+    "gpt_oss": (
+        "GptOssConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64}
+        | {"head_dim": 16, "sliding_window": 8, "swiglu_limit": 1.5}
+        | {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 128,
+            }
+        },
+    ),  # fmt: skip
 }
 ROPES = {  # rope_type -> rope_scaling, as the published configs write it
     "default": None,

@@ -24,7 +24,13 @@ from torch import nn
 
 from workers.layers import attention_backend
 from workers.layers.kv_cache import ForwardBatch, read_kv, write_kv
-from workers.layers.parallel import ColumnParallelLinear, RMSNorm, RowParallelLinear, tp_rank_size
+from workers.layers.parallel import (
+    ColumnParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    check_shape,
+    tp_rank_size,
+)
 from workers.layers.rotary import Rotary
 
 
@@ -38,6 +44,7 @@ class AttentionInputs:
     sin: torch.Tensor
     bias: torch.Tensor | None  # None: the paged kernel masks as it reads
     gqa: bool
+    window_bias: torch.Tensor | None = None  # `bias` for sliding-window layers (gpt-oss)
 
 
 def hidden_keys(batch: ForwardBatch) -> torch.Tensor:
@@ -54,43 +61,86 @@ def hidden_keys(batch: ForwardBatch) -> torch.Tensor:
 
 
 def attention_inputs(
-    batch: ForwardBatch, attn: "CachedAttention", dtype: torch.dtype, gqa: bool | None = None
+    batch: ForwardBatch,
+    attn: "CachedAttention",
+    dtype: torch.dtype,
+    gqa: bool | None = None,
+    window: int | None = None,
 ) -> AttentionInputs:
+    """The forward's RoPE tables and masks; `window`: the sliding-window layers' (gpt-oss)."""
     cos, sin = attn.rotary.tables(batch.positions, dtype)
     B, T = batch.positions.shape
     device = batch.positions.device
-    if gqa is None:
-        gqa = attention_backend.use_gqa(device, dtype, B, T, attn.heads, attn.head_dim)
+    if gqa is None:  # sinks: the folded path (attention_with_sinks)
+        gqa = attn.sinks is None and attention_backend.use_gqa(
+            device, dtype, B, T, attn.heads, attn.head_dim
+        )
     if attention_backend.use_paged_kernel(device, T):  # the kernel masks as it reads
         return AttentionInputs(cos, sin, None, gqa)
     hidden = hidden_keys(batch)
-    bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
-    bias = bias.unsqueeze(1)  # [B, 1, T, S]
-    if not gqa:
-        group = attn.heads // attn.kv_heads
-        bias = (
-            bias.unsqueeze(3)
-            .expand(B, 1, T, group, batch.kv_len)
-            .reshape(B, 1, T * group, batch.kv_len)
-        )
-    return AttentionInputs(cos, sin, bias, gqa)
+    window_bias = None
+    if window is not None:  # keys `window` or more positions back are hidden too
+        key_pos = torch.arange(batch.kv_len, device=device)
+        far = key_pos.view(1, 1, -1) <= batch.positions.unsqueeze(-1) - window
+        window_bias = _mask_bias(hidden | far, attn, gqa, dtype)
+    return AttentionInputs(cos, sin, _mask_bias(hidden, attn, gqa, dtype), gqa, window_bias)
 
 
-def paged_kernel(q: torch.Tensor, pool: torch.Tensor, batch: ForwardBatch, kv_scale):
+def _mask_bias(hidden: torch.Tensor, attn: "CachedAttention", gqa: bool, dtype) -> torch.Tensor:
+    """hidden [B, T, S] -> the additive mask, [B, 1, T, S], or folded [B, 1, T * group, S]."""
+    B, T, S = hidden.shape
+    bias = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
+    bias = bias.masked_fill_(hidden, float("-inf")).unsqueeze(1)
+    if gqa:
+        return bias
+    group = attn.heads // attn.kv_heads
+    return bias.unsqueeze(3).expand(B, 1, T, group, S).reshape(B, 1, T * group, S)
+
+
+def attention_with_sinks(q, k, v, bias, sinks: torch.Tensor) -> torch.Tensor:
+    """Folded attention (q [B, KV, T * group, D], k and v [B, KV, S, D], bias [B, 1, T * group, S])
+    whose softmax also holds each query head's sink logit (sinks [KV * group]): a key that every
+    query sees with no value, as gpt-oss attends."""
+    B, KV, rows, D = q.shape
+    group = sinks.shape[0] // KV
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * D**-0.5 + bias.float()
+    sink = sinks.float().view(KV, 1, group).expand(KV, rows // group, group)
+    sink = sink.reshape(1, KV, rows, 1).expand(B, KV, rows, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
+def paged_kernel(q, pool, batch: ForwardBatch, kv_scale, window: int | None, sinks):
     """The Triton kernel for a row of q's length; draft trees always take paged_attention.py's
-    (imported here: Triton only where it runs)."""
+    (imported here: Triton only where it runs). window, sinks: CachedAttention's."""
     if batch.tree is None and q.shape[1] > attention_backend.KERNEL_MAX_QUERY:
         from workers.layers.paged_prefill import paged_prefill
 
-        return paged_prefill(q, pool, batch, kv_scale)
+        return paged_prefill(q, pool, batch, kv_scale, window, sinks)
     from workers.layers.paged_attention import paged_attention
 
-    return paged_attention(q, pool, batch, kv_scale=kv_scale)
+    return paged_attention(q, pool, batch, kv_scale=kv_scale, window=window, sinks=sinks)
+
+
+class HeadSinks(nn.Module):
+    """gpt-oss's sink logit of each query head, this rank's heads of them."""
+
+    def __init__(self, heads: int, group=None):
+        super().__init__()
+        self.rank, self.tp = tp_rank_size(group)
+        self.weight = nn.Parameter(torch.zeros(heads // self.tp), requires_grad=False)
+
+    def load_full(self, full, index: int = 0, name: str = "weight", what: str = "tensor"):
+        n = self.weight.shape[0]
+        check_shape(full, (n * self.tp,), what)
+        self.weight.data.copy_(full.narrow(0, self.rank * n, n))
 
 
 class CachedAttention(nn.Module):
     """Attention over the KV cache. Family options: `qkv_bias` (Qwen2's biased q, k and v
-    projections), `qk_norm_eps` (Qwen3's RMSNorm over each query and key head before RoPE)."""
+    projections), `qk_norm_eps` (Qwen3's RMSNorm over each query and key head before RoPE);
+    gpt-oss's `o_bias`, `sliding_window` (keys that many positions back or more are not seen)
+    and `sinks`."""
 
     def __init__(
         self,
@@ -103,6 +153,9 @@ class CachedAttention(nn.Module):
         group=None,
         qkv_bias: bool = False,
         qk_norm_eps: float | None = None,
+        o_bias: bool = False,
+        sliding_window: int | None = None,
+        sinks: bool = False,
     ):
         super().__init__()
         _, tp = tp_rank_size(group)
@@ -122,7 +175,9 @@ class CachedAttention(nn.Module):
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
-        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, group)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, group, bias=o_bias)
+        self.sliding_window = sliding_window
+        self.sinks = HeadSinks(num_heads, group) if sinks else None
         self.rotary = rotary
         self.cache: torch.Tensor | None = None  # [2, slots + 1, max_len, kv_heads, head_dim]
         self.kv_scale = [1.0, 1.0]  # an FP8 pool's K and V scales (a checkpoint's, or 1.0)
@@ -146,18 +201,23 @@ class CachedAttention(nn.Module):
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         qk, v = self.rotated_qkv(x, inputs.cos, inputs.sin)
         write_kv(self.cache, batch, qk[:, :, H:], v, self.kv_scale)
+        sinks = self.sinks.weight if self.sinks is not None else None
         if attention_backend.use_paged_kernel(x.device, T):
-            out = paged_kernel(qk[:, :, :H], self.cache, batch, self.kv_scale)  # [B, T, H, D]
-            return self.o_proj(out.reshape(B, T, H * D))
+            q = qk[:, :, :H]
+            out = paged_kernel(q, self.cache, batch, self.kv_scale, self.sliding_window, sinks)
+            return self.o_proj(out.reshape(B, T, H * D))  # out [B, T, H, D]
         kv = read_kv(self.cache, batch, self.kv_scale, x.dtype)  # [2, B, KV, S, D]
+        bias = inputs.window_bias if self.sliding_window else inputs.bias
         if inputs.gqa:
             out = F.scaled_dot_product_attention(
-                qk[:, :, :H].transpose(1, 2), kv[0], kv[1], attn_mask=inputs.bias, enable_gqa=True
+                qk[:, :, :H].transpose(1, 2), kv[0], kv[1], attn_mask=bias, enable_gqa=True
             )  # [B, H, T, D]
             return self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))
         group = H // KV
         q = qk[:, :, :H].reshape(B, T, KV, group, D).transpose(1, 2).reshape(B, KV, T * group, D)
-        out = F.scaled_dot_product_attention(
-            q, kv[0], kv[1], attn_mask=inputs.bias
-        )  # [B, KV, T * group, D]
+        if sinks is not None:
+            out = attention_with_sinks(q, kv[0], kv[1], bias, sinks)
+        else:
+            out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=bias)
+        # out [B, KV, T * group, D]
         return self.o_proj(out.reshape(B, KV, T, group * D).transpose(1, 2).reshape(B, T, H * D))

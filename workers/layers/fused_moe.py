@@ -12,7 +12,6 @@ layer captures in CUDA graphs. FP8 expert weights (a float32 scale per expert an
 widened in registers against the activations, as workers/layers/fp8_weight_only.py does."""
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -95,11 +94,16 @@ def _expert_gemm(a, w, scale, route, out, aligned, a_rows_per_entry: int, config
     )  # fmt: skip
 
 
-def fused_moe(x, w13, w2, route_weights, topk_ids, w13_scale=None, w2_scale=None, configs=None):
+def fused_moe(
+    x, w13, w2, route_weights, topk_ids, w13_scale=None, w2_scale=None, b13=None, limit=None,
+    configs=None,
+):  # fmt: skip
     """x [T, H]; w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], in x's dtype or FP8
     with scales [E, 2I] and [E, H]; route_weights, topk_ids [T, k] -> [T, H] in x's dtype.
-    `configs`: block_config's tuples for the two GEMMs, to measure others (benchmarks/gpu); both
-    must share BLOCK_M, the alignment's."""
+    b13 [E, 2I] and limit: as moe.moe_reference's. `configs`: block_config's tuples for the two
+    GEMMs, to measure others (benchmarks/gpu); both must share BLOCK_M, the alignment's."""
+    from workers.layers.moe import swiglu
+
     T, k = topk_ids.shape
     inter = w2.shape[2]
     first, second = configs or (block_config(w13.shape[2]), block_config(inter))
@@ -107,7 +111,9 @@ def fused_moe(x, w13, w2, route_weights, topk_ids, w13_scale=None, w2_scale=None
     gate_up = x.new_empty(T * k, 2 * inter)
     x = x.contiguous()
     _expert_gemm(x, w13, w13_scale, None, gate_up, aligned, k, first)
-    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    if b13 is not None:  # each entry's expert's
+        gate_up += b13[topk_ids.flatten()]
+    act = swiglu(gate_up, limit)
     down = torch.empty(T * k, x.shape[1], device=x.device, dtype=torch.float32)
     route = route_weights.float().contiguous().flatten()
     _expert_gemm(act, w2, w2_scale, route, down, aligned, 1, second)

@@ -76,10 +76,10 @@ class QuantizableLinear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale is None:
-            return F.linear(x, self.weight, self.bias)
-        return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+            return F.linear(x, self.weight, bias)
+        return fp8_linear(x, self.weight, self.weight_scale, bias)
 
 
 class ColumnParallelLinear(QuantizableLinear):
@@ -115,13 +115,14 @@ class ColumnParallelLinear(QuantizableLinear):
         param.data[start : start + local].copy_(full.narrow(0, self.rank * local, local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x)
+        return self.matmul(x, self.bias)
 
 
 class RowParallelLinear(QuantizableLinear):
-    """y = x @ W.T with W split by input columns; partial sums all-reduced."""
+    """y = x @ W.T (+ bias) with W split by input columns; partial sums all-reduced, then the
+    bias (whole on every rank) added once."""
 
-    def __init__(self, in_features: int, out_features: int, group=None):
+    def __init__(self, in_features: int, out_features: int, group=None, bias: bool = False):
         super().__init__()
         self.rank, self.tp = tp_rank_size(group)
         if in_features % self.tp:
@@ -131,6 +132,8 @@ class RowParallelLinear(QuantizableLinear):
         self.group = group
         self.in_local = in_features // self.tp
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local), requires_grad=False)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False)
 
     def load_full(
         self, full: torch.Tensor, index: int = 0, name: str = "weight", what: str = "tensor"
@@ -138,11 +141,16 @@ class RowParallelLinear(QuantizableLinear):
         if name == "weight_scale":  # one per output row: whole on every rank
             self.weight_scale.data.copy_(row_scales(full, self.weight.shape[0], what))
             return
+        if name == "bias":
+            check_shape(full, self.bias.shape, what)
+            self.bias.data.copy_(full)
+            return
         check_shape(full, (self.weight.shape[0], self.in_local * self.tp), what)
         self.weight.data.copy_(full.narrow(1, self.rank * self.in_local, self.in_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.matmul(x), self.group)
+        out = all_reduce(self.matmul(x, None), self.group)
+        return out if self.bias is None else out + self.bias
 
 
 class ReplicatedLinear(QuantizableLinear):
@@ -160,7 +168,7 @@ class ReplicatedLinear(QuantizableLinear):
         self.weight.data.copy_(full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x)
+        return self.matmul(x, self.bias)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -5,6 +5,7 @@ name in `config.SUPPORTED_ARCHITECTURES`."""
 
 from workers.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, load_config
 from workers.models.decoder import DecoderModel
+from workers.models.gpt_oss import GptOss
 from workers.models.llama import Llama
 from workers.models.mistral import Mistral
 from workers.models.mixtral import Mixtral
@@ -21,6 +22,7 @@ MODELS: dict[str, type[DecoderModel]] = {
     "MixtralForCausalLM": Mixtral,
     "Qwen2MoeForCausalLM": Qwen2Moe,
     "Qwen3MoeForCausalLM": Qwen3Moe,
+    "GptOssForCausalLM": GptOss,
 }
 assert set(MODELS) == set(SUPPORTED_ARCHITECTURES)
 

@@ -19,12 +19,13 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 MOE_ARCHITECTURES = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
+MOE_ARCHITECTURES |= {"GptOssForCausalLM"}
+GPT_OSS = "GptOssForCausalLM"
 # known families this code cannot run yet, and what they lack
 REFUSED_FAMILIES = {
-    "gpt_oss": "gpt-oss needs attention sinks, sliding-window layers and MXFP4 experts, "
-    "which are not supported",
     "deepseek_v3": "DeepSeek-V3 needs multi-head latent attention, which is not supported",
 }
 # fields that mean a model this code would run wrongly: refused by name
@@ -78,6 +79,8 @@ class MoeConfig:
     renormalize: bool  # the top-k weights rescaled to sum to one
     shared_expert_size: int = 0  # Qwen2-MoE's gated shared expert, beside the routed ones
     dense_layers: tuple[int, ...] = ()  # layers with the dense MLP instead
+    bias: bool = False  # gpt-oss: biases in the router and the experts
+    swiglu_limit: float | None = None  # gpt-oss: its clamped SwiGLU (workers/layers/moe.py)
 
     def sparse(self, layer_id: int) -> bool:
         return layer_id not in self.dense_layers
@@ -100,7 +103,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     rope_scaling: dict | None = field(default=None, compare=False)  # rotary.rope_frequencies'
-    sliding_window: int | None = None  # Mistral's; served only while the context fits in it
+    # Mistral's, served only while the context fits in it; gpt-oss's, in sliding_layers
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    attention_bias: bool = False  # biased q, k, v and o projections (gpt-oss)
+    attention_sinks: bool = False  # a learned logit per head in every softmax (gpt-oss)
     quantization: str | None = None  # the FP8 checkpoint's quant_method (models/quantization.py)
     moe: MoeConfig | None = None
 
@@ -117,7 +124,8 @@ class ModelConfig:
         """The sequence length served: max_model_len within the model's positions (a larger one
         is capped, with a warning); by default all of them, or a sliding window's worth."""
         limit = self.max_position_embeddings
-        if requested is None and self.sliding_window is not None:
+        capped = self.sliding_window is not None and not self.sliding_layers
+        if requested is None and capped:
             limit = min(limit, self.sliding_window)  # served only while the window masks nothing
         max_len = min(requested or limit, limit)
         if max_len < (requested or 0):
@@ -126,7 +134,7 @@ class ModelConfig:
                 requested,
                 max_len,
             )
-        if self.sliding_window is not None and self.sliding_window < max_len:
+        if capped and self.sliding_window < max_len:
             raise ValueError(
                 f"sliding_window {self.sliding_window} is shorter than the context in use "
                 f"({max_len}); sliding-window attention is not supported: serve with "
@@ -156,9 +164,10 @@ def _check_family(cfg: dict, refuse) -> str:
     if cfg.get("hidden_act", "silu") != "silu":
         raise refuse(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
     for key in ("attention_bias", "mlp_bias"):
-        if cfg.get(key):
+        if cfg.get(key) and not (key == "attention_bias" and arch[0] == GPT_OSS):
             raise refuse(f"{key} is set; layers with biases are not supported")
-    if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
+    sliding = "sliding_attention" in (cfg.get("layer_types") or []) and arch[0] != GPT_OSS
+    if cfg.get("use_sliding_window") or sliding:
         key = "use_sliding_window" if cfg.get("use_sliding_window") else "layer_types"
         raise refuse(f"{key}: sliding-window attention layers are not supported")
     if cfg.get("partial_rotary_factor", 1.0) != 1.0:
@@ -234,11 +243,22 @@ def _checked_fields(cfg: dict, refuse) -> dict:
         eos_token_id=cfg.get("eos_token_id"),
         rope_scaling=rope,
         sliding_window=number("sliding_window", None)
-        if architecture in ("MistralForCausalLM", "MixtralForCausalLM")
+        if architecture in ("MistralForCausalLM", "MixtralForCausalLM", GPT_OSS)
         else None,
         quantization=quantization,
         moe=_moe_config(cfg, architecture, number, refuse),
-    )
+    ) | (_gpt_oss_attention(cfg) if architecture == GPT_OSS else {})
+
+
+def _gpt_oss_attention(cfg: dict) -> dict:
+    """gpt-oss: biased projections, sinks in every layer, a sliding window in the layers
+    layer_types names (by default every other one from the first, as transformers has it)."""
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention"
+        for i in range(cfg["num_hidden_layers"])
+    ]
+    sliding = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    return dict(sliding_layers=sliding, attention_bias=True, attention_sinks=True)
 
 
 def _moe_config(cfg: dict, architecture: str, number, refuse) -> MoeConfig | None:
@@ -253,6 +273,13 @@ def _moe_config(cfg: dict, architecture: str, number, refuse) -> MoeConfig | Non
         raise refuse(f"num_experts_per_tok {top_k} must be 1..num_experts ({experts!r})")
     if architecture == "MixtralForCausalLM":
         return MoeConfig(experts, top_k, number("intermediate_size"), renormalize=True)
+    if architecture == GPT_OSS:  # softmax over the top k logits: renormalized
+        limit = number("swiglu_limit", 7.0, float)
+        alpha = cfg.get("swiglu_alpha", 1.702)
+        if alpha != 1.702:
+            raise refuse(f"swiglu_alpha {alpha!r} is not supported (only gpt-oss's 1.702)")
+        inter = number("intermediate_size")
+        return MoeConfig(experts, top_k, inter, True, bias=True, swiglu_limit=float(limit))
     step = number("decoder_sparse_step", 1)
     layers = number("num_hidden_layers")
     dense = set(cfg.get("mlp_only_layers") or ()) | {i for i in range(layers) if (i + 1) % step}

@@ -51,8 +51,11 @@ class DecoderLayer(nn.Module):
             cfg.head_dim,
             rotary,
             group,
-            qkv_bias=self.qkv_bias,
+            qkv_bias=self.qkv_bias or cfg.attention_bias,
             qk_norm_eps=cfg.rms_norm_eps if self.qk_norm else None,
+            o_bias=cfg.attention_bias,
+            sliding_window=cfg.sliding_window if layer_id in cfg.sliding_layers else None,
+            sinks=cfg.attention_sinks,
         )
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = self.make_mlp(cfg, group, layer_id)
@@ -99,6 +102,12 @@ class DecoderModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    @staticmethod
+    def checkpoint_tensors(tensors):
+        """(name, tensor) pairs as the checkpoint holds them -> as load_weights reads them (a
+        family whose checkpoints fuse or quantize tensors differently converts them here)."""
+        return tensors
+
     def attention_modules(self) -> list[CachedAttention]:
         return [layer.self_attn for layer in self.layers]
 
@@ -113,7 +122,8 @@ class DecoderModel(nn.Module):
             width = len(self.aux_layer_ids) * H
             aux_out = ids.new_empty(*ids.shape, width, dtype=self.norm.weight.dtype)
         h = self.embed_tokens(ids)
-        inputs = attention_inputs(batch, self.layers[0].self_attn, h.dtype)
+        window = self.cfg.sliding_window if self.cfg.sliding_layers else None
+        inputs = attention_inputs(batch, self.layers[0].self_attn, h.dtype, window=window)
         for i, layer in enumerate(self.layers):
             for j, layer_id in enumerate(self.aux_layer_ids):
                 if layer_id == i:

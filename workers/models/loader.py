@@ -275,6 +275,7 @@ def load_target_weights(model, model_dir: Path) -> None:
     tensors = (
         (name, t) for name, t in iter_safetensors(Path(model_dir)) if "rotary_emb" not in name
     )
+    tensors = model.checkpoint_tensors(tensors)
     load_weights(
         model, tensors, str(model_dir), ("lm_head",) if model.cfg.tie_word_embeddings else ()
     )

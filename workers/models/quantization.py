@@ -11,8 +11,11 @@ two layouts vLLM and TensorRT-LLM users bring:
   (float8_e4m3fn) and `weight_scale` ([out, 1] per channel, one number per tensor).
 Which layers are FP8 is read from the tensors' dtypes (so `ignore` lists are honoured as
 written); KV-cache scales (`k_scale`, `v_scale`, `kv_scale`, `k_proj.output_scale`) are read
-for an FP8 KV cache. Every other method, and every other scheme of these two, is refused by name.
+for an FP8 KV cache. gpt-oss's MXFP4 experts (`quant_method: "mxfp4"`) are dequantized to the
+model's dtype at load. Every other method, and every other scheme of these two, is refused by name.
 """
+
+import torch
 
 SUPPORTED = (
     "'fp8' with activation_scheme 'dynamic' and per-tensor weight scales, or "
@@ -38,6 +41,8 @@ def check_quantization(cfg: dict, refuse) -> str | None:
     if not isinstance(qc, dict):
         raise refuse(f"quantization_config must be an object; supported: {SUPPORTED}")
     method = qc.get("quant_method")
+    if method == "mxfp4" and cfg.get("model_type") == "gpt_oss":
+        return None  # its experts are dequantized at load (workers/models/gpt_oss.py)
     if method == "fp8":
         _check_fp8(qc, refuse)
     elif method == "compressed-tensors":
@@ -123,3 +128,37 @@ def kv_scale_of(name: str) -> tuple[str, tuple[bool, bool]] | None:
         if path.endswith("." + ending):
             return path.removesuffix("." + ending) + ".self_attn", which
     return None
+
+
+# MXFP4 (OCP microscaling): 4-bit E2M1 values, two a byte (the low nibble first), and one E8M0
+# scale (a power of two, exponent bias 127) for each run of 32 along the input dimension
+FP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
+
+
+def dequantize_mxfp4(blocks, scales):
+    """blocks [..., rows, G, 16] uint8, scales [..., rows, G] uint8 -> [..., rows, G * 32]
+    float32 (gpt-oss's `*_blocks` and `*_scales`: rows are output features)."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {scales.shape}")
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()  # [..., G, 16, 2]
+    values = lut[codes].flatten(-3)  # [..., rows, G * 32]
+    exponents = scales.to(torch.int32) - 127
+    return torch.ldexp(values, exponents.repeat_interleave(32, dim=-1).float())

@@ -18,8 +18,10 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         moe, H = cfg.moe, cfg.hidden_size
         self.top_k, self.renormalize = moe.top_k, moe.renormalize
-        self.gate = Router(H, moe.num_experts)
-        self.experts = Experts(moe.num_experts, H, moe.intermediate_size, group)
+        self.gate = Router(H, moe.num_experts, moe.bias)
+        self.experts = Experts(
+            moe.num_experts, H, moe.intermediate_size, group, moe.bias, moe.swiglu_limit
+        )
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_size:
             self.shared_expert = MLP(H, moe.shared_expert_size, group)
