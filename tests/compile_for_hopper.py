@@ -35,13 +35,18 @@ def compile_kernel(fn, pointers: dict, constants: dict, num_warps: int, num_stag
 
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET", "0") == "0", "run without the interpreter"
-    io = dict(m_ptr="*fp32", l_ptr="*fp32", table_ptr="*i64", pos_ptr="*i64")
+    io = dict(m_ptr="*fp32", l_ptr="*fp32", table_ptr="*i64", pos_ptr="*i64", sinks_ptr="*fp32")
     tiles = paged_prefill.WIDE_TILES
     common = dict(GROUP=4, D=128, D_P2=128, BS=16, BLOCK_N=tiles.block_n, MIN_SPLIT=128)
-    prefills = (("prefill bf16", "*bf16", False), ("prefill fp8 split", "*fp8e4nv", True))
-    for name, kv, split in prefills:
+    prefills = (  # (name, KV dtype, split, gpt-oss's window and sinks)
+        ("prefill bf16", "*bf16", False, False),
+        ("prefill bf16 window sinks", "*bf16", False, True),
+        ("prefill fp8 split", "*fp8e4nv", True, False),
+    )
+    for name, kv, split, gpt_oss in prefills:
         pointers = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, out_ptr="*fp32" if split else "*bf16")
         constants = dict(common, BLOCK_M=tiles.block_m, SPLIT=split, PRECISION="tf32")
+        constants |= dict(WINDOW=128 if gpt_oss else 0, HAS_SINKS=gpt_oss)
         shared = compile_kernel(
             paged_prefill._paged_prefill_kernel, pointers | io, constants, *tiles[2:]
         )
@@ -49,11 +54,13 @@ def main() -> None:
     pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*fp32")
     pointers |= io | dict(root_ptr="*i64", tree_ptr="*i8")
     constants = dict(common, BLOCK_M=64, HAS_TREE=True, SPLIT=True, PRECISION="tf32")
+    constants |= dict(WINDOW=128, HAS_SINKS=True)
     print("decode tree split", compile_kernel(
         paged_attention._paged_attention_kernel, pointers, constants, 4, 3
     ))  # fmt: skip
     pointers = dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr="*bf16")
-    constants = dict(GROUP=4, D=128, D_P2=128, BLOCK_M=tiles.block_m)
+    pointers |= dict(sinks_ptr="*fp32")
+    constants = dict(GROUP=4, D=128, D_P2=128, BLOCK_M=tiles.block_m, HAS_SINKS=True)
     print("combine", compile_kernel(
         paged_attention._combine_splits_kernel, pointers, constants, 4, 3
     ))  # fmt: skip

@@ -13,15 +13,30 @@ from workers.layers.kv_cache import ForwardBatch, read_kv
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET", "1") == "1" else "cuda"
 
 
-def reference(q: torch.Tensor, pool: torch.Tensor, batch: ForwardBatch, scale=(1.0, 1.0)):
+def reference(
+    q: torch.Tensor, pool: torch.Tensor, batch: ForwardBatch, scale=(1.0, 1.0), window=None,
+    sinks=None,
+):  # fmt: skip
+    """window: keys that many positions back or more hidden; sinks [H]: a logit per head in
+    each softmax with no value (gpt-oss), computed here the long way."""
     kv = read_kv(pool, batch, scale, q.dtype)  # [2, B, KV, S, D]
     hidden = hidden_keys(batch)
+    if window is not None:
+        keys = torch.arange(batch.kv_len, device=q.device)
+        hidden = hidden | (keys.view(1, 1, -1) <= batch.positions.unsqueeze(-1) - window)
     bias = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device)
-    bias = bias.masked_fill_(hidden, float("-inf"))
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), kv[0], kv[1], attn_mask=bias.unsqueeze(1), enable_gqa=True
-    )
-    return out.transpose(1, 2)
+    bias = bias.masked_fill_(hidden, float("-inf")).unsqueeze(1)
+    if sinks is None:
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), kv[0], kv[1], attn_mask=bias, enable_gqa=True
+        )
+        return out.transpose(1, 2)
+    group = q.shape[2] // kv.shape[2]
+    k, v = (x.repeat_interleave(group, dim=1).float() for x in kv)  # [B, H, S, D]
+    scores = q.transpose(1, 2).float() @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + bias
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+    return (probs @ v).transpose(1, 2).to(q.dtype)
 
 
 def random_batch(g, B, T, heads, kv_heads, D, block_size, tree=None, max_blocks=6, shared_blocks=0):

@@ -178,3 +178,58 @@ def test_fused_kernel_with_biases_and_clamp_equals_the_loop(dtype, fp8):
     torch.testing.assert_close(fused_moe(*args), reference, atol=1e-4, rtol=1e-4)
     unclamped = moe_reference(x, w13, w2, weights, ids, *scales, b13, None)
     assert not torch.allclose(reference, unclamped)  # the clamp bites at these sizes
+
+
+@pytest.mark.parametrize(
+    "kernel, T, tree, num_splits",
+    [("decode", 1, None, 1), ("decode", 4, None, 3), ("decode", 7, (3, 1), 2),
+     ("prefill", 40, None, 1), ("prefill", 40, None, 3)],
+)  # fmt: skip
+def test_kernels_with_window_and_sinks_match_the_reference(kernel, T, tree, num_splits):
+    """The Triton kernels under the interpreter: rows far longer than the window (most key tiles
+    skipped), the verify pass and a draft tree, keys split across programs (the sinks join in
+    the combine)."""
+    pytest.importorskip("triton")
+    from paged_batches import random_batch, reference
+
+    from speculative.draft_tree import tree_layout
+    from workers.layers.paged_attention import paged_attention
+    from workers.layers.paged_prefill import paged_prefill
+
+    g = torch.Generator().manual_seed(T * 10 + num_splits)
+    layout = None if tree is None else tree_layout(*tree)
+    q, pool, batch = random_batch(g, 3, T, 8, 2, 32, 16, tree=layout, max_blocks=12)
+    sinks = torch.randn(8, generator=g) * 2
+    run = paged_attention if kernel == "decode" else paged_prefill
+    out = run(q, pool, batch, num_splits=num_splits, window=20, sinks=sinks)
+    torch.testing.assert_close(out, reference(q, pool, batch, window=20, sinks=sinks))
+    plain = run(q, pool, batch, num_splits=num_splits)
+    assert not torch.allclose(out, plain)  # the window and the sinks change the result
+
+
+def test_engine_with_the_kernels_gives_the_gather_paths_tokens(model_dir, monkeypatch):
+    """The GPU's attention path (decode kernel for short rows, prefill kernel past
+    KERNEL_MAX_QUERY) through the engine, window and sinks passed by every layer, against the
+    gather path's tokens; speculative, so the verify pass runs the kernel too."""
+    pytest.importorskip("triton")
+    import workers.layers.paged_prefill
+    from workers.layers import attention_backend
+
+    calls = []
+
+    def counted_prefill(q, pool, batch, kv_scale, window, sinks):
+        calls.append((window, sinks is not None))
+        return paged_prefill(q, pool, batch, kv_scale, window, sinks)
+
+    paged_prefill = workers.layers.paged_prefill.paged_prefill
+    monkeypatch.setattr(workers.layers.paged_prefill, "paged_prefill", counted_prefill)
+    monkeypatch.setattr(attention_backend, "KERNEL_MAX_QUERY", 8)
+    prompts = tiny_prompts(2, vocab=96, seed=5, min_len=20, max_len=30)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    outputs = []
+    for kernel in (False, True):
+        monkeypatch.setattr(attention_backend, "use_paged_kernel", lambda d, t, use=kernel: use)
+        engine = tiny_engine(model_dir, "ngram", k=2)
+        outputs.append([r.output_ids for r in run_to_completion(engine, prompts, params)])
+    assert outputs[0] == outputs[1]
+    assert {(8, True), (None, True)} <= set(calls)

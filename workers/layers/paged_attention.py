@@ -14,7 +14,12 @@ whatever the number of query tokens); a draft-tree node t sees the keys before t
 (write_positions[:, 0]) and the nodes tree[t] marks.
 
 An FP8 pool's tiles are widened to the queries' dtype as they are loaded; K's scale folds into
-the softmax scale, V's into the output."""
+the softmax scale, V's into the output.
+
+gpt-oss: a sliding window (WINDOW > 0) hides the keys WINDOW or more positions before a token,
+and the key tiles before the window of a program's first token are not read; a sink logit per
+query head joins each softmax's denominator (with no value) after the keys, or in the combine
+when the keys are split."""
 
 import torch
 import triton
@@ -34,6 +39,7 @@ MIN_SPLIT_KEYS = 128  # a split reads at least this many keys (a multiple of BLO
 @triton.jit(do_not_specialize=["stride_table", "num_table_blocks", "T"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, table_ptr, pos_ptr, root_ptr, tree_ptr,
+    sinks_ptr,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_ob, stride_ot, stride_oh,
@@ -41,6 +47,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
     HAS_TREE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     bh, m_tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, kv_head = bh // num_kv_heads, bh % num_kv_heads
@@ -57,11 +64,12 @@ def _paged_attention_kernel(
     else:
         end = tl.max(pos) + 1
     end = tl.minimum(end, num_table_blocks * BS)
+    first = window_start(pos, row_ok, end, WINDOW, BLOCK_N)
     # each row splits its own keys: a graph captured at the longest kv_len still spreads a short
     # row over its splits
-    split_len = tl.cdiv(tl.cdiv(end, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(end - first, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     split_len = tl.maximum(split_len, MIN_SPLIT)
-    lo = split * split_len
+    lo = first + split * split_len
     hi = tl.minimum(lo + split_len, end)
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # running max
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp
@@ -83,6 +91,8 @@ def _paged_attention_kernel(
             visible = ((node < 0)[None, :] | sees) & n_ok[None, :]
         else:
             visible = (n[None, :] <= pos[:, None]) & n_ok[None, :]
+        if WINDOW > 0:
+            visible = visible & (n[None, :] > pos[:, None] - WINDOW)
         scores = tl.where(visible, scores, -1e30)
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.where(visible, tl.exp(scores - m_new[:, None]), 0.0)
@@ -93,6 +103,8 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     acc = acc * v_scale
+    if HAS_SINKS and not SPLIT:
+        m_i, l_i, acc = add_sink(m_i, l_i, acc, tl.load(sinks_ptr + head))
     if SPLIT:  # this split's unnormalised partial, for _combine_splits_kernel
         at = (bh * tl.num_programs(2) + split) * num_rows + r
         tl.store(m_ptr + at, m_i)
@@ -105,12 +117,31 @@ def _paged_attention_kernel(
         tl.store(out_ptr + o_at, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+@triton.jit
+def window_start(pos, row_ok, end, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The first key tile a program reads: 0, or with a sliding window the tile of the first key
+    its earliest token sees."""
+    earliest = tl.min(tl.where(row_ok, pos, end))
+    if WINDOW > 0:
+        return tl.maximum(earliest - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    return earliest * 0  # one return type
+
+
+@triton.jit
+def add_sink(m_i, l_i, acc, sink):
+    """A softmax's running max, sum and output [M, D] after the sink logits [M] joined it."""
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp(m_i - m_new)
+    return m_new, l_i * alpha + tl.exp(sink - m_new), acc * alpha[:, None]
+
+
 @triton.jit(do_not_specialize=["T", "num_splits"])
 def _combine_splits_kernel(
-    acc_ptr, m_ptr, l_ptr, out_ptr,
+    acc_ptr, m_ptr, l_ptr, out_ptr, sinks_ptr,
     stride_ob, stride_ot, stride_oh,
     num_kv_heads, T, num_splits, num_rows,
     GROUP: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     bh, m_tile = tl.program_id(0), tl.program_id(1)
     b, kv_head = bh // num_kv_heads, bh % num_kv_heads
@@ -119,6 +150,9 @@ def _combine_splits_kernel(
     d = tl.arange(0, D_P2)
     m_run = tl.full([BLOCK_M], -1e30, tl.float32)
     l_run = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # the sink first: its own max, exp(0) in the sum, no value
+        m_run = tl.load(sinks_ptr + head)
+        l_run = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, D_P2], tl.float32)
     for split in range(num_splits):
         at = (bh * num_splits + split) * num_rows + r
@@ -165,11 +199,13 @@ def paged_attention(
     batch: ForwardBatch,
     num_splits: int | None = None,
     kv_scale=(1.0, 1.0),
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, T, H, D] (rotated), one layer's pool [2, blocks + 1, block_size, kv_heads, D]
     -> the attention output [B, T, H, D], under the batch's chain or tree mask. num_splits:
     how many programs share a row's keys (default: default_splits); kv_scale: an FP8 pool's
-    K and V scales (ignored for others)."""
+    K and V scales (ignored for others); window, sinks [H]: gpt-oss's (module docstring)."""
     B, T, H, D = q.shape
     k_pool, v_pool = pool[0], pool[1]
     kv_heads, block_size = k_pool.shape[2], k_pool.shape[1]
@@ -196,20 +232,22 @@ def paged_attention(
         l_part = torch.empty(parts, dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32: unused for bf16/fp16
     k_scale, v_scale = kv_scale if pool.dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    sink_logits = sinks.float().contiguous() if sinks is not None else positions
     _paged_attention_kernel[(B * kv_heads, m_tiles, num_splits)](
-        q, k_pool, v_pool, partial, m_part, l_part, table, positions, root, tree,
+        q, k_pool, v_pool, partial, m_part, l_part, table, positions, root, tree, sink_logits,
         q.stride(0), q.stride(1), q.stride(2),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         table.stride(0), table.shape[1], kv_heads, T, num_rows, D**-0.5 * k_scale, v_scale,
         GROUP=group, D=D, D_P2=d_p2, BS=block_size, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         MIN_SPLIT=MIN_SPLIT_KEYS, HAS_TREE=has_tree, SPLIT=split, PRECISION=precision,
+        WINDOW=window or 0, HAS_SINKS=sinks is not None,
     )  # fmt: skip
     if split:
         _combine_splits_kernel[(B * kv_heads, m_tiles)](
-            partial, m_part, l_part, out,
+            partial, m_part, l_part, out, sink_logits,
             out.stride(0), out.stride(1), out.stride(2),
             kv_heads, T, num_splits, num_rows,
-            GROUP=group, D=D, D_P2=d_p2, BLOCK_M=block_m,
+            GROUP=group, D=D, D_P2=d_p2, BLOCK_M=block_m, HAS_SINKS=sinks is not None,
         )  # fmt: skip
     return out

@@ -13,7 +13,8 @@ tail of the wave. Where the tiles leave SMs idle (a short chunk past a long cach
 tile's keys are split across programs, as in paged_attention.py, whose second kernel merges them.
 
 An FP8 pool's tiles are widened to the queries' dtype as they are loaded; K's scale folds into
-the softmax scale, V's into the output."""
+the softmax scale, V's into the output. gpt-oss's sliding window and sinks as paged_attention.py
+takes them (with a window every key tile is masked)."""
 
 from typing import NamedTuple
 
@@ -22,7 +23,13 @@ import triton
 import triton.language as tl
 
 from workers.layers.kv_cache import ForwardBatch
-from workers.layers.paged_attention import MIN_SPLIT_KEYS, _combine_splits_kernel, default_splits
+from workers.layers.paged_attention import (
+    MIN_SPLIT_KEYS,
+    _combine_splits_kernel,
+    add_sink,
+    default_splits,
+    window_start,
+)
 
 LOG2_E = 1.4426950408889634
 
@@ -49,6 +56,7 @@ def _attend_tile(
     q, m_i, l_i, acc, start, end, pos, b, kv_head, d, d_ok, k_ptr, v_ptr, table_ptr,
     stride_table, stride_kb, stride_ks, stride_kh, scale_log2,
     BS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):  # fmt: skip
     """One key tile [start, start + BLOCK_N) into the online softmax (base 2)."""
     n = start + tl.arange(0, BLOCK_N)
@@ -61,6 +69,8 @@ def _attend_tile(
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [M, N]
     if MASKED:
         visible = (n[None, :] <= pos[:, None]) & n_ok[None, :]
+        if WINDOW > 0:
+            visible = visible & (n[None, :] > pos[:, None] - WINDOW)
         scores = tl.where(visible, scores, -1e30)
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     p = tl.exp2(scores - m_new[:, None])
@@ -76,14 +86,15 @@ def _attend_tile(
 # the arguments that change from step to step stay unspecialised (see paged_attention.py)
 @triton.jit(do_not_specialize=["stride_table", "num_table_blocks", "T"])
 def _paged_prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, table_ptr, pos_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, table_ptr, pos_ptr, sinks_ptr,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_ob, stride_ot, stride_oh,
     stride_table, num_table_blocks, num_kv_heads, T, num_rows, scale_log2, v_scale,
     GROUP: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     m_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the last tokens first
     bh, split = tl.program_id(1), tl.program_id(2)
@@ -97,14 +108,17 @@ def _paged_prefill_kernel(
     pos = tl.load(pos_ptr + b * T + t, mask=row_ok, other=-1)
     capacity = num_table_blocks * BS
     end = tl.minimum(tl.max(pos) + 1, capacity)
+    first = window_start(pos, row_ok, end, WINDOW, BLOCK_N)
     # this program's share of the tile's keys (all of them without splits), in whole tiles
-    split_len = tl.cdiv(tl.cdiv(end, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(end - first, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     split_len = tl.maximum(split_len, MIN_SPLIT)
-    lo = split * split_len
+    lo = first + split * split_len
     hi = tl.minimum(lo + split_len, end)
-    # keys every row of the tile sees, in whole tiles
+    # keys every row of the tile sees, in whole tiles (with a window, none is sure to be)
     unmasked_end = tl.minimum(tl.min(tl.where(row_ok, pos, capacity)) + 1, hi)
     unmasked_end = tl.maximum(unmasked_end // BLOCK_N * BLOCK_N, lo)
+    if WINDOW > 0:
+        unmasked_end = lo
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # running max (base 2)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2
     acc = tl.zeros([BLOCK_M, D_P2], tl.float32)
@@ -112,15 +126,17 @@ def _paged_prefill_kernel(
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, start, hi, pos, b, kv_head, d, d_ok, k_ptr, v_ptr, table_ptr,
             stride_table, stride_kb, stride_ks, stride_kh, scale_log2,
-            BS=BS, BLOCK_N=BLOCK_N, MASKED=False, PRECISION=PRECISION,
+            BS=BS, BLOCK_N=BLOCK_N, MASKED=False, PRECISION=PRECISION, WINDOW=WINDOW,
         )  # fmt: skip
     for start in range(unmasked_end, hi, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, start, hi, pos, b, kv_head, d, d_ok, k_ptr, v_ptr, table_ptr,
             stride_table, stride_kb, stride_ks, stride_kh, scale_log2,
-            BS=BS, BLOCK_N=BLOCK_N, MASKED=True, PRECISION=PRECISION,
+            BS=BS, BLOCK_N=BLOCK_N, MASKED=True, PRECISION=PRECISION, WINDOW=WINDOW,
         )  # fmt: skip
     acc = acc * v_scale
+    if HAS_SINKS and not SPLIT:  # the running max x ln 2: in natural units, as the sinks are
+        m_i, l_i, acc = add_sink(m_i * 0.6931471805599453, l_i, acc, tl.load(sinks_ptr + head))
     if SPLIT:  # an unnormalised partial (its max in natural units), as paged_attention.py's
         at = (bh * tl.num_programs(2) + split) * num_rows + r
         tl.store(m_ptr + at, m_i * 0.6931471805599453)  # x ln 2 (jit code reads no globals)
@@ -138,6 +154,8 @@ def paged_prefill(
     pool: torch.Tensor,
     batch: ForwardBatch,
     kv_scale=(1.0, 1.0),
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
     tiles: PrefillTiles | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
@@ -146,7 +164,8 @@ def paged_prefill(
     sees keys 0..p). kv_scale: an FP8 pool's K and V scales (ignored for others); tiles: the
     tiles and their launch (default_tiles; benchmarks compare others); num_splits: how many
     programs share a tile's keys (default: default_splits, where a short chunk past a long
-    context leaves SMs idle; paged_attention.py's second kernel merges them)."""
+    context leaves SMs idle; paged_attention.py's second kernel merges them); window and sinks
+    [H]: gpt-oss's (paged_attention.py)."""
     assert batch.tree is None, "draft trees run paged_attention.py's kernel"
     B, T, H, D = q.shape
     k_pool, v_pool = pool[0], pool[1]
@@ -170,8 +189,9 @@ def paged_prefill(
         l_part = torch.empty(parts, dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32: unused for bf16/fp16
     k_scale, v_scale = kv_scale if pool.dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    sink_logits = sinks.float().contiguous() if sinks is not None else positions
     _paged_prefill_kernel[(m_tiles, B * kv_heads, num_splits)](
-        q, k_pool, v_pool, partial, m_part, l_part, table, positions,
+        q, k_pool, v_pool, partial, m_part, l_part, table, positions, sink_logits,
         q.stride(0), q.stride(1), q.stride(2),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
@@ -179,13 +199,14 @@ def paged_prefill(
         D**-0.5 * k_scale * LOG2_E, v_scale,
         GROUP=group, D=D, D_P2=d_p2, BS=block_size, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, MIN_SPLIT=MIN_SPLIT_KEYS, SPLIT=num_splits > 1,
-        PRECISION=precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        PRECISION=precision, WINDOW=window or 0, HAS_SINKS=sinks is not None,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _combine_splits_kernel[(B * kv_heads, m_tiles)](
-            partial, m_part, l_part, out,
+            partial, m_part, l_part, out, sink_logits,
             out.stride(0), out.stride(1), out.stride(2),
             kv_heads, T, num_splits, num_rows,
-            GROUP=group, D=D, D_P2=d_p2, BLOCK_M=tiles.block_m,
+            GROUP=group, D=D, D_P2=d_p2, BLOCK_M=tiles.block_m, HAS_SINKS=sinks is not None,
         )  # fmt: skip
     return out
