@@ -55,6 +55,19 @@ SHAPES = {
         "moe_intermediate_size": 768, "norm_topk_prob": True, "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     },
+    "hf-gpt-oss-20b": {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088,
+        "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+        "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128,
+        "swiglu_limit": 7.0, "attention_bias": True,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096},
+        "rope_theta": 150000.0,
+    },
 }  # fmt: skip
 TINY = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -67,6 +80,10 @@ SHAPES |= {
     "tiny-qwen3-moe": SHAPES["hf-qwen3-30b-a3b"]
     | TINY
     | {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "tiny-gpt-oss": SHAPES["hf-gpt-oss-20b"]
+    | TINY
+    | {"head_dim": 32, "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 16}
+    | {"layer_types": ["sliding_attention", "full_attention"] * 2},
 }
 
 

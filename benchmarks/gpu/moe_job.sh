@@ -12,12 +12,15 @@
 #   verify  the same target with a random EAGLE-3 head at K = 1..5: the verify pass of K + 1
 #           tokens a row against plain's step (what auto K's costs must say for MoE)
 #   fp8     plain decode with --quantization fp8 (FP8 experts and linear layers)
+#   gptoss  a gpt-oss-20b-shaped target (sinks, 128-token windows in every other layer, 32
+#           experts with biases): plain decode against its floor, and the verify pass at K=3,
+#           at 1k and at 8k (where the windowed layers read 128 keys, not 8k)
 # Then moe_summary.py prints verify(K) / plain per batch; past 8 files, $OUT travels as one tar.
 # TINY=1 bash benchmarks/gpu/moe_job.sh: the CPU dry run (tiny shapes, Triton's interpreter).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-out/moe}
-BUDGET=${BUDGET:-500} PARTS=" ${PARTS:-kernel plain verify fp8} " JOB_LOG="$OUT/moe_job.log"
+BUDGET=${BUDGET:-500} PARTS=" ${PARTS:-kernel plain verify fp8 gptoss} " JOB_LOG="$OUT/moe_job.log"
 source benchmarks/gpu/job_setup.sh
 MODEL=random:hf-qwen3-30b-a3b
 [[ -n "$TINY_FLAG" ]] && MODEL=random:tiny-qwen3-moe
@@ -29,5 +32,11 @@ for K in 1 2 3 4 5; do
     part verify 50 $FLOOR -k $K -o "$OUT/moe_verify_k$K.json"
 done
 part fp8 60 $FLOOR --drafter none --quantization fp8 -o "$OUT/moe_plain_fp8.json"
+GPT_OSS=random:hf-gpt-oss-20b
+[[ -n "$TINY_FLAG" ]] && GPT_OSS=random:tiny-gpt-oss
+OSS_FLOOR="${FLOOR/--model $MODEL/--model $GPT_OSS}"
+[[ -z "$TINY_FLAG" ]] && OSS_FLOOR="$OSS_FLOOR --context 1024 8192"
+part gptoss 60 $OSS_FLOOR --drafter none -o "$OUT/gpt_oss_plain.json"
+part gptoss 60 $OSS_FLOOR -k 3 -o "$OUT/gpt_oss_verify_k3.json"
 python3 benchmarks/gpu/moe_summary.py "$OUT"
 pack_results moe_results
