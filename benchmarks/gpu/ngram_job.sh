@@ -19,6 +19,7 @@ if [[ -n "$TINY_FLAG" ]]; then
     ARGS="--device cpu --batch 1,2 --output-len 16 --num-prompts 4"
 else
     ARGS="--device cuda --batch 1,8,32 --output-len 128 --num-prompts 64 --model $M --drafter $D"
+    ARGS="$ARGS --max-model-len 4096"  # the summarisation prompts: up to about 2k tokens
 fi
 BENCH="python3 -m deployments.cli bench $ARGS"
 SUM=deployments/data/eagle_bench/sum.jsonl.gz
