@@ -145,6 +145,12 @@ class Proposer:
             self.state.siblings[slots, :, depth] = others
         return (new,)
 
+    def continue_chain(self, slots, hidden, first_draft, positions, kv_len: int) -> None:
+        """Inside the whole-step graph (Verifier.decode_step): draft forwards 2..K from the
+        first draft forward's output hidden [B, H] and drafts [B] at positions [B]."""
+        self.resources.write_hidden(slots, hidden)
+        self.draft_steps(slots, first_draft, positions, kv_len)
+
     def draft_steps(self, slots, draft, positions, kv_len: int) -> tuple[torch.Tensor]:
         """Draft forwards 2..K of every row, unconstrained (graphed as `chain`), each launched
         from the previous one's tensors. slots, draft (the first draft), positions (of the drafter

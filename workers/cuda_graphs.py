@@ -234,7 +234,7 @@ def step_graph_set(runner, graphs_class=StepGraphs, batch_only: bool | None = No
         fn = functools.partial(verifier.greedy_limited, width=width)
         limits = [GraphInput(torch.long, pad=K)]
         graphs.verify_by_width[width] = graphs_class(fn, slots, lengths, dummy, limits, dev)
-    if runner.proposer is not None and runner.K > 1:
+    if runner.drafter is not None and runner.K > 1:
         chain_inputs = [GraphInput(torch.long), GraphInput(torch.long)]
         draft_steps = runner.proposer.draft_steps
         graphs.chain = graphs_class(draft_steps, slots, lengths, dummy, chain_inputs, dev)

@@ -113,7 +113,8 @@ class ModelRunner:
         elif ngram:
             n_range = cfg.prompt_lookup_min, cfg.prompt_lookup_max
             self.proposer = NgramProposer(self.state, self.K, *n_range)
-        whole_step = cfg.graph_first_draft and drafter is not None
+        # n-gram drafts: one lookup, cheaper in the verify's graph than launched on its own
+        whole_step = (cfg.graph_first_draft and drafter is not None) or ngram
         self.verifier = Verifier(self.target, *parts, self.proposer, self.K, self.M, whole_step)
         self.prefiller = Prefiller(self.target, *parts, self.proposer, self.K)
 

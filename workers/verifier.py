@@ -226,14 +226,14 @@ class Verifier:
         self.state.record(slots, base.unsqueeze(1) + self.node_depth[:width] + 1, tokens)
 
     def decode_step(self, slots: torch.Tensor, kv_len: int):
-        """A whole greedy decode step as one CUDA graph (`graph_first_draft`): verify pass,
-        first draft forward and draft forwards 2..K. The first draft's shape is fixed at
-        [B, K+1] (rows past the accepted tokens write to the dummy slot), so it can be captured,
-        which saves its ~40 eager launches and the chain graph's launch and input copies."""
+        """A whole greedy decode step as one CUDA graph (`graph_first_draft`, and always for n-gram
+        drafts): verify pass, first draft forward and draft forwards 2..K (or the lookup). The
+        first draft's shape is fixed at [B, K+1] (rows past the accepted tokens write to the
+        dummy slot), so it can be captured, which saves its ~40 eager launches and the chain
+        graph's launch and input copies."""
         tokens, emitted, base, path = self.greedy(slots, kv_len)
         last, first_draft = self.proposer.after_verify(
             slots, tokens, emitted, base, path, kv_len, self.T
         )
-        self.resources.write_hidden(slots, last)
-        self.proposer.draft_steps(slots, first_draft, base + emitted - 1, kv_len)
+        self.proposer.continue_chain(slots, last, first_draft, base + emitted - 1, kv_len)
         return tokens, emitted, base, path
