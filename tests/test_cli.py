@@ -240,9 +240,9 @@ def test_gpu_utilization_is_the_busiest_gpus_mean(monkeypatch):
 
 
 def test_engine_leaves_no_socket_files(tmp_path, prompts_file):
-    """Two TP=2 engine runs on one node (ipc channels) leave no socket directory behind, and the
-    first removes one that a crashed earlier run (a pid no longer alive) left. The runs get a
-    temp dir of their own (short: Ray keeps its sockets there too), so other jobs do not count."""
+    """A TP=2 engine run on one node (ipc channels) leaves no socket directory behind, and removes
+    one that a crashed earlier run (a pid no longer alive) left. The run gets a temp dir of its
+    own (short: Ray keeps its sockets there too), so other jobs do not count."""
     from tiny_models import tiny_llama
 
     tmp = Path(tempfile.mkdtemp(prefix="es-"))
@@ -255,15 +255,14 @@ def test_engine_leaves_no_socket_files(tmp_path, prompts_file):
         (stale / "plan-0").write_text("")
         model = tiny_llama(tmp_path / "tiny", layers=2)
         flags = ["--model", model, "--drafter", "none", "--tp", 2, "--device", "cpu"]
-        for run in range(2):
-            out = tmp_path / f"out{run}.jsonl"
-            proc = eagleserve(
-                "generate", prompts_file, "-o", out, *flags, "--max-tokens", 4,
-                "--max-model-len", 512, env=ENV | {"TMPDIR": str(tmp)},
-            )  # fmt: skip
-            assert proc.returncode == 0, proc.stderr[-2000:]
-            assert len(out.read_text().splitlines()) == 4
-            assert not [n for n in os.listdir(tmp) if n.startswith("eagleserve-")]
+        out = tmp_path / "out.jsonl"
+        proc = eagleserve(
+            "generate", prompts_file, "-o", out, *flags, "--max-tokens", 4,
+            "--max-model-len", 512, env=ENV | {"TMPDIR": str(tmp)},
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert len(out.read_text().splitlines()) == 4
+        assert not [n for n in os.listdir(tmp) if n.startswith("eagleserve-")]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

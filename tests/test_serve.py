@@ -332,9 +332,9 @@ def test_sampling_options_reach_the_engine(client, base_url, alone):
         .message.content
     )
     assert repeats and repeats != alone[question]
-    short = chat(client, question, max_tokens=200)
+    short = chat(client, question, max_tokens=100)
     assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 100
-    held = chat(client, question, max_tokens=200, extra_body={"min_tokens": 100})
+    held = chat(client, question, max_tokens=104, extra_body={"min_tokens": 100})
     assert held.usage.completion_tokens >= 100 and held.choices[0].message.content.startswith(
         alone[question][:20]
     )
