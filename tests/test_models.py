@@ -138,12 +138,14 @@ REFUSED = [  # (config changes, words the error must contain)
     ({"vision_config": {"hidden_size": 8}}, "vision_config"),
     ({"use_sliding_window": True}, "use_sliding_window"),
     ({"layer_types": ["sliding_attention"] * 4}, "layer_types"),
-    ({"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"}, "attention sinks"),
+    ({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}, "latent attention"),
+    ({"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "num_local_experts": 4,
+      "num_experts_per_tok": 2, "swiglu_alpha": 2.0}, "swiglu_alpha"),
     ({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}, "num_local_experts"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "longrope"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
-]
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("changes, named", REFUSED)

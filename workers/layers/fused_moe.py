@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.layers.activation import swiglu
+
 
 @triton.jit
 def _expert_gemm_kernel(
@@ -102,7 +104,6 @@ def fused_moe(
     with scales [E, 2I] and [E, H]; route_weights, topk_ids [T, k] -> [T, H] in x's dtype.
     b13 [E, 2I] and limit: as moe.moe_reference's. `configs`: block_config's tuples for the two
     GEMMs, to measure others (benchmarks/gpu); both must share BLOCK_M, the alignment's."""
-    from workers.layers.moe import swiglu
 
     T, k = topk_ids.shape
     inter = w2.shape[2]

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.layers.activation import swiglu
 from workers.layers.fp8 import FP8, quantize_rows
 from workers.layers.parallel import all_reduce, check_shape, row_scales, tp_rank_size
 
@@ -24,19 +25,6 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool):
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype), ids
-
-
-GPT_OSS_ALPHA = 1.702  # gpt-oss's sigmoid slope in its SwiGLU
-
-
-def swiglu(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
-    """[..., 2I] (gate, then up) -> [..., I]: SiLU(gate) * up; with a limit, gpt-oss's variant
-    (gate clamped above, up on both sides, gate * sigmoid(1.702 gate) * (up + 1))."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    if limit is None:
-        return F.silu(gate) * up
-    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return gate * torch.sigmoid(GPT_OSS_ALPHA * gate) * (up + 1)
 
 
 def _expert_linear(x: torch.Tensor, w: torch.Tensor, scale) -> torch.Tensor:

@@ -3,9 +3,9 @@ auxiliary-state capture. A family file supplies its layer; nothing here knows ab
 beyond copying the residual stream at the configured layers into a buffer it is handed."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from workers.layers.activation import swiglu
 from workers.layers.attention import AttentionInputs, CachedAttention, attention_inputs
 from workers.layers.kv_cache import ForwardBatch
 from workers.layers.parallel import (
@@ -28,8 +28,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(swiglu(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
