@@ -550,7 +550,7 @@ def test_greedy_smollm2_trained_drafter(smollm2_prompts, smollm2_greedy_64, smol
 
 # ---- sampling: the distribution of the first three tokens ----
 
-V16, PROMPT, NUM_SAMPLES = 16, [3, 1, 4, 1, 5, 9, 2, 6], 6000
+V16, PROMPT, NUM_SAMPLES = 16, [3, 1, 4, 1, 5, 9, 2, 6], 3000
 
 
 @pytest.fixture(scope="module")
