@@ -104,7 +104,6 @@ def fused_moe(
     with scales [E, 2I] and [E, H]; route_weights, topk_ids [T, k] -> [T, H] in x's dtype.
     b13 [E, 2I] and limit: as moe.moe_reference's. `configs`: block_config's tuples for the two
     GEMMs, to measure others (benchmarks/gpu); both must share BLOCK_M, the alignment's."""
-
     T, k = topk_ids.shape
     inter = w2.shape[2]
     first, second = configs or (block_config(w13.shape[2]), block_config(inter))

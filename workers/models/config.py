@@ -21,9 +21,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "GptOssForCausalLM": "gpt_oss",
 }
-MOE_ARCHITECTURES = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
-MOE_ARCHITECTURES |= {"GptOssForCausalLM"}
 GPT_OSS = "GptOssForCausalLM"
+MOE_ARCHITECTURES = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", GPT_OSS}
 # known families this code cannot run yet, and what they lack
 REFUSED_FAMILIES = {
     "deepseek_v3": "DeepSeek-V3 needs multi-head latent attention, which is not supported",
@@ -71,7 +70,7 @@ def eos_token_ids(model_dir: Path) -> set[int]:
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """A mixture-of-experts target's expert layers (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+    """A mixture-of-experts target's expert layers (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss)."""
 
     num_experts: int
     top_k: int

@@ -132,24 +132,8 @@ def kv_scale_of(name: str) -> tuple[str, tuple[bool, bool]] | None:
 
 # MXFP4 (OCP microscaling): 4-bit E2M1 values, two a byte (the low nibble first), and one E8M0
 # scale (a power of two, exponent bias 127) for each run of 32 along the input dimension
-FP4_VALUES = (
-    0.0,
-    0.5,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    4.0,
-    6.0,
-    -0.0,
-    -0.5,
-    -1.0,
-    -1.5,
-    -2.0,
-    -3.0,
-    -4.0,
-    -6.0,
-)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # fmt: skip
 
 
 def dequantize_mxfp4(blocks, scales):
